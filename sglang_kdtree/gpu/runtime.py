@@ -1,0 +1,81 @@
+"""Shared CuPy plumbing for the kernels in ``kernels/``: availability, source lookup, compile cache,
+torch stream and zero-copy tensor exchange.
+
+Everything here imports on a machine without a GPU or without CuPy; only calling into a kernel needs one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from pathlib import Path
+
+__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "load_module", "as_cupy", "current_stream"]
+
+
+@functools.cache
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy and torch both see a CUDA device, else a one-line reason."""
+    try:
+        import torch
+    except Exception as exc:  # pragma: no cover - torch is a dependency of sglang
+        return f"torch does not import: {exc}"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    try:
+        import cupy
+    except Exception as exc:
+        return f"cupy does not import ({exc}); install cupy-cuda13x"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "cupy sees no CUDA device"
+    except Exception as exc:
+        return f"cupy cannot reach the CUDA driver: {exc}"
+    return None
+
+
+def gpu_available() -> bool:
+    return gpu_unavailable_reason() is None
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``kernels/<name>`` from the installed package (wheel or editable checkout)."""
+    res = importlib.resources.files("sglang_kdtree._kernels").joinpath(name)
+    if not res.is_file():
+        raise FileNotFoundError(
+            f"kernel source {name!r} is missing from sglang_kdtree._kernels ({res}); the installation is "
+            "incomplete: reinstall sglang-kdtree"
+        )
+    return res.read_text()
+
+
+def kernels_dir() -> Path:
+    return Path(str(importlib.resources.files("sglang_kdtree._kernels")))
+
+
+@functools.cache
+def load_module(name: str, options: tuple[str, ...] = ()):
+    """Compile ``kernels/<name>`` once per process with NVRTC and return the ``cupy.RawModule``.
+
+    ``-fmad=false`` is always passed: the tree kernels must reproduce the reference's float64 operation
+    order bit for bit, and contraction into FMA would change the rounding.
+    """
+    import cupy
+
+    opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}") + tuple(options)
+    return cupy.RawModule(code=kernel_source(name), options=opts, name_expressions=None)
+
+
+def current_stream():
+    """torch's current CUDA stream as a CuPy ``ExternalStream`` (launch there, never on CuPy's default)."""
+    import cupy
+    import torch
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+
+def as_cupy(t):
+    """Zero-copy view of a torch CUDA tensor as a CuPy array (DLPack)."""
+    import cupy
+
+    return cupy.from_dlpack(t)
