@@ -1,0 +1,171 @@
+"""The KDTREE speculative algorithm as SGLang sees it: capability flags and server-args handling.
+
+SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` instance registered by
+``sglang_kdtree.plugin.register``. This module decides, at startup, which settings DDTree can honour:
+
+* **Node budget** B: ``--speculative-num-draft-tokens N`` is the verify width, ``N = B + 1`` (the root plus B
+  tree nodes), ``1 <= B <= MAX_BUDGET``. Unset: ``N = DEFAULT_VERIFY_WIDTH``.
+* **Draft block**: ``--speculative-dflash-block-size`` (optional; else the DFlash drafter's config) gives
+  ``L = block_size - 1`` draft depths, ``2 <= block_size <= 32``.
+* **Attention backend** for the target's tree verify must honour a tree mask: ``fa3`` or ``triton`` (MHA and
+  MLA) or ``flashinfer`` (MHA) on CUDA; ``torch_native`` / ``intel_amx`` on CPU. ``flashmla``, ``trtllm_mla``,
+  ``flashinfer_mla``, ``cutedsl_mla`` and ``trtllm_mha`` plan causal attention and would silently verify a
+  chain: refused.
+* ``--page-size 1`` only (the tree's KV rows are compacted slot by slot).
+* Overlap scheduling: see ``SUPPORTS_OVERLAP``.
+
+Every refusal is a ``ValueError`` raised during argument resolution, naming the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from sglang_kdtree.reference import MAX_BUDGET
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM_NAME = "KDTREE"
+DEFAULT_BUDGET = 64
+DEFAULT_VERIFY_WIDTH = DEFAULT_BUDGET + 1
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 2, 32
+
+#: Backends whose TARGET_VERIFY honours a tree mask, per device type.
+TREE_MASK_BACKENDS = {
+    "cuda": ("fa3", "triton", "flashinfer"),
+    "cpu": ("torch_native", "intel_amx"),
+}
+#: Backends known to plan causal-only verify (they would verify a chain and silently lose the tree).
+CAUSAL_ONLY_BACKENDS = ("flashmla", "trtllm_mla", "flashinfer_mla", "cutedsl_mla", "trtllm_mha")
+
+#: Whether the worker keeps the decode path free of host syncs, so SGLang's overlap scheduler may run it.
+#: While False, a server started without ``--disable-overlap-schedule`` is refused at startup.
+SUPPORTS_OVERLAP = False
+
+
+def _device_type(device) -> str:
+    return str(device or "cuda").split(":", 1)[0]
+
+
+def budget_of(server_args) -> int:
+    """The node budget B = ``speculative_num_draft_tokens - 1`` of resolved server args."""
+    width = server_args.speculative_num_draft_tokens
+    return (DEFAULT_VERIFY_WIDTH if width is None else int(width)) - 1
+
+
+def validate_server_args(server_args) -> None:
+    """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load).
+
+    Writes the verify width when unset and the EAGLE-style fields SGLang's tree-verify machinery reads:
+    ``speculative_num_steps = 1`` and ``speculative_eagle_topk = 2`` (a value > 1 switches fa3 / triton into
+    tree-mask mode; DDTree's own top-K is ``min(B, V)`` and does not use this field).
+    """
+    sa = server_args
+    width = sa.speculative_num_draft_tokens
+    if width is None:
+        width = DEFAULT_VERIFY_WIDTH
+        logger.info("KDTREE: --speculative-num-draft-tokens not set; using %d (node budget %d)", width, width - 1)
+    try:
+        width = int(width)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"KDTREE: --speculative-num-draft-tokens must be an integer (node budget + 1), got {width!r}"
+        ) from None
+    if not 2 <= width <= MAX_BUDGET + 1:
+        raise ValueError(
+            f"KDTREE: --speculative-num-draft-tokens {width} is out of range: it is the verify width N = budget + 1 "
+            f"and must lie in [2, {MAX_BUDGET + 1}] (node budget 1..{MAX_BUDGET}); e.g. "
+            f"--speculative-num-draft-tokens {DEFAULT_VERIFY_WIDTH} for a budget of {DEFAULT_BUDGET}"
+        )
+    block = sa.speculative_dflash_block_size
+    if block is not None and not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"KDTREE: --speculative-dflash-block-size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] "
+            "(draft depths L = block_size - 1 <= 31); omit it to use the drafter's own block size"
+        )
+    if sa.speculative_draft_model_path is None:
+        raise ValueError(
+            "KDTREE: --speculative-draft-model-path is required (the DFlash block-diffusion drafter checkpoint)"
+        )
+
+    device = _device_type(sa.device)
+    allowed = TREE_MASK_BACKENDS.get(device)
+    if allowed is None:
+        raise ValueError(f"KDTREE: --device {sa.device} is not supported; use cuda (or cpu for tests)")
+    for flag, value in (
+        ("--attention-backend", sa.attention_backend),
+        ("--decode-attention-backend", sa.decode_attention_backend),
+        ("--prefill-attention-backend", sa.prefill_attention_backend),
+    ):
+        if value is None or value in allowed:
+            continue
+        why = (
+            "plans causal attention for target verify and ignores the tree mask"
+            if value in CAUSAL_ONLY_BACKENDS
+            else "is not known to honour a tree mask in target verify"
+        )
+        raise ValueError(
+            f"KDTREE: {flag} {value} {why}; use {flag} {allowed[0]} "
+            f"(supported on {device}: {', '.join(allowed)})"
+        )
+    if sa.page_size is not None and int(sa.page_size) != 1:
+        raise ValueError(
+            f"KDTREE: --page-size {sa.page_size} is not supported (tree KV rows are compacted slot by slot); "
+            "use --page-size 1"
+        )
+    if int(sa.pp_size) != 1:
+        raise ValueError(f"KDTREE: --pp-size {sa.pp_size} is not supported; use --pp-size 1")
+    if getattr(sa, "dp_size", 1) not in (None, 1) and getattr(sa, "enable_dp_attention", False):
+        raise ValueError("KDTREE: DP attention is not supported; drop --enable-dp-attention")
+    if not SUPPORTS_OVERLAP and not sa.disable_overlap_schedule:
+        raise ValueError(
+            "KDTREE: overlap scheduling is not supported yet (the tree accept path still synchronises with "
+            "the host); add --disable-overlap-schedule"
+        )
+
+    sa.speculative_num_draft_tokens = width
+    sa.speculative_num_steps = 1
+    sa.speculative_eagle_topk = 2
+
+
+class KDTreeSpec(CustomSpecAlgo):
+    """``CustomSpecAlgo`` for DDTree on the DFlash drafter.
+
+    Reports itself as DFLASH-family so SGLang builds the DFlash drafter infrastructure (target aux-hidden
+    capture, draft KV pool, draft CUDA graph with ``input_embeds``), and adds the four methods SGLang 0.5.23's
+    ``CustomSpecAlgo`` lacks but its scheduler calls unconditionally.
+    """
+
+    def is_dflash(self) -> bool:
+        return True
+
+    def is_dflash_family(self) -> bool:
+        return True
+
+    def supports_target_verify_for_draft(self) -> bool:
+        return True
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def get_platform_worker_cls(self):
+        return None
+
+    def create_future_map(
+        self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True, needs_confidence_relay: bool = False
+    ):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args):
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+        width = cfg.speculative_num_draft_tokens or DEFAULT_VERIFY_WIDTH
+        return max(int(width), int(cfg.speculative_dflash_block_size or 0))
