@@ -287,8 +287,10 @@ def _check_tree_inputs(logprobs, token_ids) -> tuple[np.ndarray, np.ndarray]:
     _require_no_nan("logprobs", logprobs)
     if np.isposinf(logprobs).any():
         raise ValueError("logprobs contains +inf; log-probabilities must be finite or -inf")
-    if logprobs.shape[1] > 1 and (np.diff(logprobs.astype(np.float64), axis=1) > 0).any():
-        d = int(np.argwhere(np.diff(logprobs.astype(np.float64), axis=1) > 0)[0, 0])
+    with np.errstate(invalid="ignore"):  # (-inf) - (-inf) is NaN, which correctly compares as "not > 0"
+        rising = np.diff(logprobs.astype(np.float64), axis=1) > 0
+    if rising.any():
+        d = int(np.argwhere(rising)[0, 0])
         raise ValueError(f"logprobs row {d} is not sorted in descending order (rank 0 must be the most likely)")
     if (token_ids < 0).any():
         raise ValueError("token_ids contains a negative id")
