@@ -1,0 +1,152 @@
+"""Registration with the real installed SGLang: plugin loading, algorithm lookup, server-args resolution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+from sglang.srt.arg_groups.overrides import resolving_view  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+from sglang_kdtree import plugin, spec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A config-only Llama checkpoint directory: argument resolution reads the config, never the weights."""
+    d = tmp_path_factory.mktemp("tiny_llama")
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return str(d)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_loaded():
+    load_plugins()
+
+
+def resolve(model_dir, *extra, overlap_off=True):
+    argv = [
+        "--model-path", model_dir,
+        "--speculative-algorithm", "kdtree",
+        "--speculative-draft-model-path", model_dir,
+        "--device", "cpu",
+    ]
+    if overlap_off:
+        argv.append("--disable-overlap-schedule")
+    sa = prepare_server_args(argv + list(extra))
+    sa.resolve_once()
+    return resolving_view(sa)
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("kdtree") == "sglang_kdtree.plugin:register"
+
+
+def test_from_string_returns_our_algorithm_after_load_plugins():
+    algo = SpeculativeAlgorithm.from_string("kdtree")
+    assert isinstance(algo, spec.KDTreeSpec)
+    assert algo.is_dflash() and algo.is_dflash_family() and algo.supports_target_verify_for_draft()
+    assert algo.need_topk() is False and algo.carries_draft_hidden_states() is False
+    assert algo.get_platform_worker_cls() is None
+    assert algo.supports_overlap is spec.SUPPORTS_OVERLAP
+    plugin.register()  # idempotent: a second call must not raise "already registered"
+
+
+def test_spec_class_defines_every_method_the_scheduler_calls():
+    # SGLang 0.5.23's CustomSpecAlgo lacks these; the scheduler and FutureMap call them unconditionally.
+    enum_methods = {"create_future_map", "carries_draft_hidden_states", "need_topk", "get_platform_worker_cls"}
+    for name in enum_methods:
+        assert hasattr(SpeculativeAlgorithm.EAGLE, name), f"SGLang no longer has {name}: re-check the spec class"
+        assert name in vars(spec.KDTreeSpec), f"KDTreeSpec must define {name}"
+
+
+def test_valid_configuration_resolves(model_dir):
+    cfg = resolve(model_dir)
+    assert cfg.speculative_algorithm == "KDTREE"
+    assert cfg.speculative_num_draft_tokens == spec.DEFAULT_VERIFY_WIDTH
+    assert cfg.speculative_num_steps == 1 and cfg.speculative_eagle_topk == 2
+    assert cfg.page_size == 1
+    cfg = resolve(model_dir, "--speculative-num-draft-tokens", "257", "--speculative-dflash-block-size", "16")
+    assert cfg.speculative_num_draft_tokens == 257 and spec.budget_of(cfg) == 256
+    cfg = resolve(model_dir, "--speculative-num-draft-tokens", "1025")
+    assert spec.budget_of(cfg) == 1024
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--speculative-num-draft-tokens", "1"], r"--speculative-num-draft-tokens 1 is out of range.*\[2, 1025\]"),
+        (["--speculative-num-draft-tokens", "1026"], r"--speculative-num-draft-tokens 1026 is out of range"),
+        (["--speculative-dflash-block-size", "64"], r"--speculative-dflash-block-size 64 is out of range"),
+        (["--attention-backend", "flashmla"], r"--attention-backend flashmla plans causal.*use --attention-backend"),
+        (["--attention-backend", "triton"], r"--attention-backend triton is not known.*supported on cpu"),
+        (["--page-size", "16"], r"--page-size 16 is not supported.*use --page-size 1"),
+    ],
+)
+def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
+    with pytest.raises(ValueError, match=match):
+        resolve(model_dir, *extra)
+
+
+def test_overlap_scheduling_is_refused_with_the_fix(model_dir):
+    if spec.SUPPORTS_OVERLAP:
+        assert resolve(model_dir, overlap_off=False).speculative_algorithm == "KDTREE"
+    else:
+        with pytest.raises(ValueError, match="add --disable-overlap-schedule"):
+            resolve(model_dir, overlap_off=False)
+
+
+def test_missing_drafter_is_refused(model_dir):
+    sa = prepare_server_args(
+        ["--model-path", model_dir, "--speculative-algorithm", "kdtree", "--device", "cpu",
+         "--disable-overlap-schedule"]
+    )
+    with pytest.raises(ValueError, match="--speculative-draft-model-path is required"):
+        sa.resolve_once()
+
+
+def test_worker_factory_never_falls_back(monkeypatch, model_dir):
+    """The factory returns our worker, or raises naming the problem: never another algorithm's worker."""
+    algo = SpeculativeAlgorithm.from_string("kdtree")
+    try:
+        cls = algo.factory(None)
+    except plugin.WorkerUnavailableError as exc:
+        assert "refusing to fall back" in str(exc)
+    else:
+        assert cls.__module__ == "sglang_kdtree.worker"
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_worker(name, *a, **kw):
+        if name == "sglang_kdtree.worker":
+            raise ImportError("simulated missing worker")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_worker)
+    with pytest.raises(plugin.WorkerUnavailableError, match="refusing to fall back"):
+        algo.factory(None)
