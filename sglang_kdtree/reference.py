@@ -45,6 +45,7 @@ __all__ = [
     "merge_topk_partials",
     "build_tree",
     "build_trees",
+    "ancestor_matrix",
     "verify_inputs",
     "ancestor_bits_to_bool",
     "accept_greedy",
@@ -451,6 +452,20 @@ def _check_tree_batch(trees: TreeBatch) -> None:
         raise ValueError(f"trees.num_nodes must lie in [0, {width - 1}], got {trees.num_nodes.tolist()}")
 
 
+def ancestor_matrix(trees: TreeBatch) -> np.ndarray:
+    """The tree-visibility matrix: ``[bs, N, N]`` bool, ``[b, i, j]`` iff node j is an ancestor of node i or i
+    itself. Padding rows see only themselves."""
+    _check_tree_batch(trees)
+    bs, width = trees.tokens.shape
+    anc = np.zeros((bs, width, width), dtype=bool)
+    idx = np.arange(width)
+    anc[:, idx, idx] = True
+    for b in range(bs):
+        for i in range(1, int(trees.num_nodes[b]) + 1):  # parents[i] < i: the parent's row is complete
+            anc[b, i] |= anc[b, int(trees.parents[b, i])]
+    return anc
+
+
 def verify_inputs(trees: TreeBatch, seq_lens) -> VerifyInputs:
     """Verify inputs for a batch of trees.
 
@@ -467,17 +482,11 @@ def verify_inputs(trees: TreeBatch, seq_lens) -> VerifyInputs:
     if (seq_lens < 0).any():
         raise ValueError(f"seq_lens must be >= 0, got {seq_lens.tolist()}")
     words = (width + 31) // 32
-    anc = np.zeros((bs, width, width), dtype=bool)
+    anc = ancestor_matrix(trees)
     next_token = np.full((bs, width), -1, dtype=np.int64)
     next_sibling = np.full((bs, width), -1, dtype=np.int64)
     for b in range(bs):
         n = int(trees.num_nodes[b])
-        for i in range(width):
-            anc[b, i, i] = True
-            if i <= n:
-                p = int(trees.parents[b, i])
-                if p >= 0:
-                    anc[b, i] |= anc[b, p]
         last_child = np.full(width, -1, dtype=np.int64)
         for i in range(1, n + 1):
             p = int(trees.parents[b, i])
@@ -486,13 +495,8 @@ def verify_inputs(trees: TreeBatch, seq_lens) -> VerifyInputs:
             else:
                 next_sibling[b, last_child[p]] = i
             last_child[p] = i
-    mask_parts = []
-    for b in range(bs):
-        mask_parts.append(np.ones((width, int(seq_lens[b])), dtype=bool))
-        mask_parts.append(anc[b])
-    full_mask = np.concatenate(
-        [np.concatenate([mask_parts[2 * b], mask_parts[2 * b + 1]], axis=1).reshape(-1) for b in range(bs)]
-    ) if bs else np.zeros(0, dtype=bool)
+    blocks = [np.concatenate([np.ones((width, int(seq_lens[b])), bool), anc[b]], axis=1).ravel() for b in range(bs)]
+    full_mask = np.concatenate(blocks) if blocks else np.zeros(0, dtype=bool)
     bits = np.zeros((bs, width, words), dtype=np.uint32)
     for j in range(width):
         bits[:, :, j // 32] |= anc[:, :, j].astype(np.uint32) << np.uint32(j % 32)
