@@ -38,19 +38,25 @@ def gpu_available() -> bool:
     return gpu_unavailable_reason() is None
 
 
-def kernel_source(name: str) -> str:
-    """The text of ``kernels/<name>`` from the installed package (wheel or editable checkout)."""
-    res = importlib.resources.files("sglang_kdtree._kernels").joinpath(name)
-    if not res.is_file():
-        raise FileNotFoundError(
-            f"kernel source {name!r} is missing from sglang_kdtree._kernels ({res}); the installation is "
-            "incomplete: reinstall sglang-kdtree"
-        )
-    return res.read_text()
-
-
 def kernels_dir() -> Path:
-    return Path(str(importlib.resources.files("sglang_kdtree._kernels")))
+    """Folder of the ``.cu`` sources: ``sglang_kdtree/_kernels`` in an installed wheel or editable install,
+    else the checkout's top-level ``kernels/`` (running from a source tree without installing)."""
+    try:
+        path = Path(str(importlib.resources.files("sglang_kdtree._kernels")))
+    except ModuleNotFoundError:
+        path = Path(__file__).resolve().parents[2] / "kernels"
+    return path
+
+
+def kernel_source(name: str) -> str:
+    """The text of ``kernels/<name>``."""
+    path = kernels_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"kernel source {name!r} is missing from {path.parent}; the installation is incomplete: "
+            "reinstall sglang-kdtree"
+        )
+    return path.read_text()
 
 
 @functools.cache
