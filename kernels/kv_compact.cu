@@ -1,0 +1,150 @@
+// Commit of the accepted paths: the plan (which KV slot moves where) and the KV row moves for every layer
+// of a pool in one launch.
+//
+// A pool is a table of layer buffers (device pointers), each [slots, row] with the same row size and slot
+// stride: SGLang's MLA pool gives one [slots, 1, 576] bf16 buffer per layer, its MHA pool a k and a v
+// buffer per layer (both go in the table). Request b's accepted row j moves from src_slots[b, j] to
+// dst_slots[b, j]. Inside a request a destination can be another row's source (accepted = [0, 2, 3]:
+// row 1 reads slot P+2, which row 2 writes), so a block reads all moving rows of a column tile into
+// registers, synchronises, then writes: no ordering between rows is needed.
+//
+// Errors are bits OR-ed into errors[0]; a request with any bad slot is skipped as a whole (no write).
+
+#define ERR_BAD_PATH 64    // accept_lens / accepted not a valid path inside the verify window
+#define ERR_BAD_SLOT 128   // a source or destination slot outside [0, num_slots); that request is skipped
+
+typedef long long i64;
+
+// One thread per (request, path column): src/dst slots and hidden-state rows, -1 past tau.
+// verify_slots[b, i] is the KV slot holding node i during verify (= position P+i after the commit).
+template <typename Slot>
+__device__ void commit_plan_impl(const i64* accepted, const i64* accept_lens, const Slot* verify_slots,
+                                 i64 slot_ld, int bs, int M, int N, i64* src_slots, i64* dst_slots,
+                                 i64* hidden_rows, int* errors) {
+  const int b = blockIdx.x;
+  const i64 tau = accept_lens[b];
+  const i64* path = accepted + (i64)b * M;
+  bool valid = tau >= 1 && tau <= M && tau <= N;
+  // strictly increasing from 0 and inside the window: checked by every thread for its column
+  for (int j = threadIdx.x; valid && j < tau; j += blockDim.x) {
+    const i64 node = path[j];
+    const bool ok = (j == 0) ? node == 0 : (node > path[j - 1] && node < N);
+    if (!ok) valid = false;
+  }
+  valid = __syncthreads_and(valid);
+  if (!valid && threadIdx.x == 0) atomicOr(errors, ERR_BAD_PATH);
+  for (int j = threadIdx.x; j < M; j += blockDim.x) {
+    const i64 o = (i64)b * M + j;
+    if (valid && j < tau) {
+      const i64 node = path[j];
+      src_slots[o] = (i64)verify_slots[(i64)b * slot_ld + node];
+      dst_slots[o] = (i64)verify_slots[(i64)b * slot_ld + j];
+      hidden_rows[o] = (i64)b * N + node;
+    } else {
+      src_slots[o] = -1;
+      dst_slots[o] = -1;
+      hidden_rows[o] = -1;
+    }
+  }
+}
+
+extern "C" __global__ void commit_plan_i64(const i64* accepted, const i64* accept_lens, const i64* verify_slots,
+                                           i64 slot_ld, int bs, int M, int N, i64* src_slots, i64* dst_slots,
+                                           i64* hidden_rows, int* errors) {
+  commit_plan_impl(accepted, accept_lens, verify_slots, slot_ld, bs, M, N, src_slots, dst_slots, hidden_rows,
+                   errors);
+}
+
+extern "C" __global__ void commit_plan_i32(const i64* accepted, const i64* accept_lens, const int* verify_slots,
+                                           i64 slot_ld, int bs, int M, int N, i64* src_slots, i64* dst_slots,
+                                           i64* hidden_rows, int* errors) {
+  commit_plan_impl(accepted, accept_lens, verify_slots, slot_ld, bs, M, N, src_slots, dst_slots, hidden_rows,
+                   errors);
+}
+
+// Rows moved per block are held in registers: UNITS_PER_THREAD units of `Unit` per thread per tile.
+#define UNITS_PER_THREAD 8
+#define MAX_ROWS 1025
+
+// grid = (layers, bs, column splits); block = 256 threads.
+// Each block moves the moving rows (src != dst) of one request in one layer, for its column split,
+// tile by tile: a tile covers all moving rows and as many columns as fit in registers.
+template <typename Unit>
+__device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units,
+                             i64 num_slots, const i64* src_slots, const i64* dst_slots, const i64* accept_lens,
+                             int M, int* errors) {
+  __shared__ i64 s_src[MAX_ROWS];
+  __shared__ i64 s_dst[MAX_ROWS];
+  __shared__ int s_moving;
+  const int layer = blockIdx.x, b = blockIdx.y;
+  i64 tau = accept_lens[b];
+  tau = tau < 0 ? 0 : (tau > M ? M : tau);
+  if (threadIdx.x == 0) s_moving = 0;
+  __syncthreads();
+  // compact the list to the rows that move (any order: all reads precede all writes anyway); a path
+  // already in place is a no-op: no reads, no writes
+  bool bad = false;
+  for (int j = threadIdx.x; j < tau; j += blockDim.x) {
+    const i64 s = src_slots[(i64)b * M + j], d = dst_slots[(i64)b * M + j];
+    if (s < 0 || s >= num_slots || d < 0 || d >= num_slots) {
+      bad = true;
+    } else if (s != d) {
+      const int k = atomicAdd(&s_moving, 1);
+      s_src[k] = s;
+      s_dst[k] = d;
+    }
+  }
+  bad = __syncthreads_or(bad);
+  if (bad) {
+    if (threadIdx.x == 0 && layer == 0 && blockIdx.z == 0) atomicOr(errors, ERR_BAD_SLOT);
+    return;
+  }
+  const int moving = s_moving;
+  if (moving == 0) return;
+  Unit* base = reinterpret_cast<Unit*>(layer_ptrs[layer]);
+  // this block's column split
+  const i64 per_split = (row_units + gridDim.z - 1) / gridDim.z;
+  const i64 col_lo = blockIdx.z * per_split;
+  const i64 col_hi = min(row_units, col_lo + per_split);
+  if (col_lo >= col_hi) return;
+  const i64 capacity = (i64)blockDim.x * UNITS_PER_THREAD;
+  i64 width = capacity / moving;
+  if (width < 1) width = 1;
+  for (i64 c0 = col_lo; c0 < col_hi; c0 += width) {
+    const i64 w = min(width, col_hi - c0);
+    const i64 items = w * moving;
+    Unit held[UNITS_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < UNITS_PER_THREAD; ++k) {
+      const i64 idx = threadIdx.x + (i64)k * blockDim.x;
+      if (idx < items) {
+        const i64 r = idx / w, c = c0 + idx % w;
+        held[k] = base[s_src[r] * slot_stride_units + c];
+      }
+    }
+    // every source of this tile is read before any destination of it is written
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < UNITS_PER_THREAD; ++k) {
+      const i64 idx = threadIdx.x + (i64)k * blockDim.x;
+      if (idx < items) {
+        const i64 r = idx / w, c = c0 + idx % w;
+        base[s_dst[r] * slot_stride_units + c] = held[k];
+      }
+    }
+    // the next tile touches other columns only, so it needs no barrier against these writes
+  }
+}
+
+#define COMPACT_ENTRY(NAME, UNIT)                                                                             \
+  extern "C" __global__ void NAME(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units, \
+                                  i64 num_slots, const i64* src_slots, const i64* dst_slots,                  \
+                                  const i64* accept_lens, int M, int* errors) {                               \
+    compact_impl<UNIT>(layer_ptrs, slot_stride_units, row_units, num_slots, src_slots, dst_slots, accept_lens,\
+                       M, errors);                                                                            \
+  }
+
+COMPACT_ENTRY(compact_kv_16B, uint4)
+COMPACT_ENTRY(compact_kv_4B, unsigned int)
+COMPACT_ENTRY(compact_kv_2B, unsigned short)
+COMPACT_ENTRY(compact_kv_1B, unsigned char)

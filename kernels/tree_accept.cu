@@ -1,0 +1,425 @@
+// DDTree accept walk for a batch: one thread block per request.
+//
+// Layout (the reference's TreeBatch): request b owns rows b*N .. b*N+N-1; row 0 is the root, rows
+// 1..num_nodes[b] are nodes in pop order with parents[i] < i, the rest is padding (never accepted).
+// The walk: cur = 0; while the target's token at cur is the token of a child of cur, move to the
+// lowest-index such child (the reference's and SGLang's verify_tree_greedy's child order).
+//
+// Three target kinds:
+//   * argmax ids [bs*N] int64 (accept_ids): every node's "hit" (its token equals the target's choice at
+//     its parent) is computed in parallel, then one thread follows first-hit links in shared memory;
+//   * logits [bs*N, ld] fp32/bf16, greedy (accept_logits_*): argmax is fused and lazy: only the rows on
+//     the accepted path (tau <= L+1 of N) are ever read, instead of all bs*N rows of a separate argmax;
+//   * logits, sampled (accept_sampled_*): the same lazy walk, but the token at each visited node is a
+//     sample of softmax(logits/T) restricted by SGLang's top-k / top-p. Sampling only the visited nodes
+//     has the same distribution as sampling every node and then walking (unvisited draws never matter).
+//
+// Errors are bits atomically OR-ed into errors[0] (no host sync here; see sglang_kdtree/gpu/accept.py).
+
+#define ERR_NUM_NODES 1      // num_nodes[b] outside [0, N-1]; clamped
+#define ERR_BAD_PARENT 2     // parents[i] outside [0, i) for a live node; the node is unlinked
+#define ERR_MAX_DEPTH 4      // the accepted path is longer than max_depth; truncated
+#define ERR_NAN 8            // NaN in a visited logits row
+#define ERR_SAMPLING 16      // top_k < 1 (treated as 1) or a row entirely -inf at T > 0
+
+#define MAX_WIDTH 1025       // N = budget + 1, budget <= MAX_BUDGET = 1024
+#define NO_CHILD 0x7fffffff
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+// bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits (no cuda_bf16.h under NVRTC).
+__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(unsigned short h) { return bf16_to_float(h); }
+template <typename Elem>
+__device__ __forceinline__ float load_elem(const Elem* p, i64 i) { return to_float(__ldg(p + i)); }
+
+// Apply f(value, index) to every element of row [0, V) this thread owns. 16-byte loads when the row is
+// aligned (HBM/L2 transactions are 32 B sectors; one 16 B load per lane keeps a warp's request at 512 B),
+// unrolled so several loads are in flight per thread: one block reads a whole 300 KB vocabulary row.
+template <typename Elem, typename F>
+__device__ __forceinline__ void for_each_in_row(const Elem* row, i64 V, bool vec_ok, F f) {
+  constexpr int PER_VEC = 16 / sizeof(Elem);
+  i64 start = 0;
+  if (vec_ok) {
+    const uint4* vrow = reinterpret_cast<const uint4*>(row);
+    i64 nvec = V / PER_VEC;
+#pragma unroll 4
+    for (i64 q = threadIdx.x; q < nvec; q += blockDim.x) {
+      uint4 w = __ldg(vrow + q);
+      const Elem* e = reinterpret_cast<const Elem*>(&w);
+#pragma unroll
+      for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
+    }
+    start = nvec * PER_VEC;
+  }
+  for (i64 v = start + threadIdx.x; v < V; v += blockDim.x) f(load_elem(row, v), v);
+}
+
+// (value, index) argmax order: larger value wins, equal values go to the lower index (numpy's argmax).
+__device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) { return v > bv || (v == bv && i < bi); }
+
+// Block-wide reductions; every thread gets the result. scratch must hold 32 entries; blockDim % 32 == 0.
+__device__ void block_argmax(float& v, i64& i, float* sv, i64* si) {
+  for (int off = 16; off > 0; off >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    i64 oi = __shfl_xor_sync(0xffffffffu, i, off);
+    if (better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) { sv[warp] = v; si[warp] = i; }
+  __syncthreads();
+  v = sv[0]; i = si[0];
+  for (int w = 1; w < nwarps; ++w)
+    if (better(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
+}
+
+// Integer sums are associative, so the result does not depend on the summation order: sampling is
+// bit-reproducible for a given seed regardless of scheduling.
+__device__ u64 block_sum_u64(u64 x, u64* scratch) {
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  u64 s = 0;
+  for (int w = 0; w < nwarps; ++w) s += scratch[w];
+  return s;
+}
+
+// Philox4x32-10 (Salmon et al., SC'11): counter-based, so a node's draw is a pure function of
+// (seed, position, node) and needs no generator state between rounds.
+__device__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  for (int r = 0; r < 10; ++r) {
+    u32 hi0 = __umulhi(0xD2511F53u, ctr.x), lo0 = 0xD2511F53u * ctr.x;
+    u32 hi1 = __umulhi(0xCD9E8D57u, ctr.z), lo1 = 0xCD9E8D57u * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key.x += 0x9E3779B9u;
+    key.y += 0xBB67AE85u;
+  }
+  return ctr;
+}
+
+// Order key of a vocabulary entry for top-k / top-p: logit descending, then token id ascending, as one
+// unsigned 64-bit integer (larger key = earlier in the sorted order; all keys distinct).
+__device__ __forceinline__ u64 order_key(float x, i64 id) {
+  u32 b = __float_as_uint(x);
+  u32 mono = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return ((u64)mono << 32) | (u64)(0xFFFFFFFFu - (u32)id);
+}
+
+// Sampling weight in 2^-44 fixed point relative to the row max: exp((x - m) / T) in [0, 1] scaled, so a
+// whole row (V < 2^19) sums below 2^63. Weights under 2^-44 of the top token's round to 0.
+#define WEIGHT_SCALE 17592186044416.0f  // 2^44
+__device__ __forceinline__ u64 weight(float x, float m, float inv_t) {
+  float e = expf((x - m) * inv_t);
+  return (u64)(e * WEIGHT_SCALE);
+}
+
+struct SampleScratch {
+  u32 cnt[256];
+  u64 mass[256];
+  u64 wsum[32];
+  float fv[32];
+  i64 fi[32];
+  u64 bcast[4];
+};
+
+// Greedy choice at one row: argmax, lower id on ties; NaN entries are flagged and never chosen.
+template <typename Elem>
+__device__ i64 row_argmax(const Elem* row, i64 V, bool vec_ok, SampleScratch& s, int* errors) {
+  float bv = -__int_as_float(0x7f800000);
+  i64 bi = 0x7fffffffffffffffLL;
+  bool nan = false;
+  for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
+    if (x != x) nan = true;
+    else if (better(x, i, bv, bi)) { bv = x; bi = i; }
+  });
+  if (nan) atomicOr(errors, ERR_NAN);
+  block_argmax(bv, bi, s.fv, s.fi);
+  return bi == 0x7fffffffffffffffLL ? 0 : bi;
+}
+
+// One sample from softmax(row / T) restricted to SGLang's top-k / top-p kept set:
+// sorted by (logit desc, id asc), token at sorted rank r is kept iff r < top_k and the mass of ranks < r is
+// <= top_p (torch's `probs_sum - probs_sort > top_p` zeroing). The kept set's last key is found by an
+// 8-level radix descent on the 64-bit order key with count and mass histograms; then an inverse-CDF in
+// token-id order over the kept weights picks the token for a 64-bit Philox uniform.
+template <typename Elem>
+__device__ i64 row_sample(const Elem* row, i64 V, bool vec_ok, float temperature, i64 top_k, float top_p,
+                          uint4 ctr, uint2 key, SampleScratch& s, int* errors) {
+  // 1. row max (the softmax shift)
+  float m = -__int_as_float(0x7f800000);
+  i64 mi = 0x7fffffffffffffffLL;
+  bool nan = false;
+  for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
+    if (x != x) nan = true;
+    else if (better(x, i, m, mi)) { m = x; mi = i; }
+  });
+  if (nan) atomicOr(errors, ERR_NAN);
+  block_argmax(m, mi, s.fv, s.fi);
+  if (!(m > -__int_as_float(0x7f800000))) {  // entirely -inf (or NaN): nothing to sample
+    if (threadIdx.x == 0) atomicOr(errors, ERR_SAMPLING);
+    return 0;
+  }
+  const float inv_t = 1.0f / temperature;
+  // 2. total weight Z
+  u64 z = 0;
+  for_each_in_row(row, V, vec_ok, [&](float x, i64) { if (x == x) z += weight(x, m, inv_t); });
+  z = block_sum_u64(z, s.wsum);
+  // 3. kept set {key >= key_min} and its mass
+  u64 key_min = 0, kept = z;
+  if (top_k < 1) {
+    if (threadIdx.x == 0) atomicOr(errors, ERR_SAMPLING);
+    top_k = 1;
+  }
+  if (top_k < V || top_p < 1.0f) {
+    const u64 p_limit = top_p >= 1.0f ? ~0ULL : (top_p <= 0.0f ? 0ULL : (u64)((double)top_p * (double)z));
+    u64 prefix = 0, cnt_above = 0, mass_above = 0;
+    for (int level = 0; level < 8; ++level) {
+      const int shift = 56 - 8 * level;
+      for (int t = threadIdx.x; t < 256; t += blockDim.x) { s.cnt[t] = 0; s.mass[t] = 0; }
+      __syncthreads();
+      for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
+        if (x != x) return;
+        u64 k = order_key(x, i);
+        if (level > 0 && (k >> (shift + 8)) != prefix) return;
+        u32 bucket = (u32)(k >> shift) & 255u;
+        atomicAdd(&s.cnt[bucket], 1u);
+        atomicAdd(&s.mass[bucket], weight(x, m, inv_t));
+      });
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        // lane l owns buckets 255-8l .. 248-8l (descending = sorted order); exclusive scan over lanes
+        const int lane = threadIdx.x;
+        u64 c_own = 0, m_own = 0;
+        for (int q = 0; q < 8; ++q) { c_own += s.cnt[255 - 8 * lane - q]; m_own += s.mass[255 - 8 * lane - q]; }
+        u64 c_pre = c_own, m_pre = m_own;
+        for (int off = 1; off < 32; off <<= 1) {
+          u64 c = __shfl_up_sync(0xffffffffu, c_pre, off), mm = __shfl_up_sync(0xffffffffu, m_pre, off);
+          if (lane >= off) { c_pre += c; m_pre += mm; }
+        }
+        u64 c_run = cnt_above + c_pre - c_own, m_run = mass_above + m_pre - m_own;
+        int chosen = -1;
+        u64 c_at = 0, m_at = 0;
+        for (int q = 0; q < 8; ++q) {
+          int bucket = 255 - 8 * lane - q;
+          u32 c = s.cnt[bucket];
+          if (c > 0 && c_run < (u64)top_k && m_run <= p_limit) { chosen = bucket; c_at = c_run; m_at = m_run; }
+          c_run += c;
+          m_run += s.mass[bucket];
+        }
+        // the kept condition is monotone in sorted order: the last bucket satisfying it is the
+        // one from the highest lane that has any
+        u32 has = __ballot_sync(0xffffffffu, chosen >= 0);
+        int src = 31 - __clz(has);
+        chosen = __shfl_sync(0xffffffffu, chosen, src);
+        c_at = __shfl_sync(0xffffffffu, c_at, src);
+        m_at = __shfl_sync(0xffffffffu, m_at, src);
+        if (lane == 0) {
+          s.bcast[0] = (prefix << 8) | (u64)chosen;
+          s.bcast[1] = c_at;
+          s.bcast[2] = m_at;
+          s.bcast[3] = m_at + s.mass[chosen];  // at the last level the bucket is one token
+        }
+      }
+      __syncthreads();
+      prefix = s.bcast[0];
+      cnt_above = s.bcast[1];
+      mass_above = s.bcast[2];
+      kept = s.bcast[3];
+      __syncthreads();
+    }
+    key_min = prefix;
+  }
+  // 4. u uniform in [0, kept); the token is the first id whose running kept weight exceeds u.
+  uint4 r = philox4x32_10(ctr, key);
+  const u64 u = __umul64hi(((u64)r.x << 32) | r.y, kept);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  // contiguous per-warp segments keep id order; lanes interleave inside a segment for coalescing
+  const i64 seg = ((V + nwarps - 1) / nwarps + 31) / 32 * 32;
+  const i64 lo = warp * seg, hi = min(V, lo + seg);
+  auto kept_weight = [&](i64 i) -> u64 {
+    if (i >= hi) return 0;
+    float x = load_elem(row, i);
+    if (x != x || order_key(x, i) < key_min) return 0;
+    return weight(x, m, inv_t);
+  };
+  u64 mine = 0;
+  for (i64 i = lo + lane; i < hi; i += 32) mine += kept_weight(i);
+  for (int off = 16; off > 0; off >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, off);
+  __syncthreads();
+  if (lane == 0) s.wsum[warp] = mine;
+  __syncthreads();
+  u64 before = 0;
+  int owner = nwarps - 1;
+  for (int w = 0; w < nwarps; ++w) {
+    if (u < before + s.wsum[w]) { owner = w; break; }
+    before += s.wsum[w];
+  }
+  if (warp == owner) {
+    u64 run = before;
+    i64 found = -1;
+    for (i64 base = lo; base < hi && found < 0; base += 32) {
+      u64 w = kept_weight(base + lane), incl = w;
+      for (int off = 1; off < 32; off <<= 1) {
+        u64 o = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += o;
+      }
+      u32 over = __ballot_sync(0xffffffffu, w > 0 && u < run + incl);
+      if (over) found = base + (__ffs(over) - 1);
+      run += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) s.bcast[0] = (u64)(found < 0 ? mi : found);
+  }
+  __syncthreads();
+  i64 tok = (i64)s.bcast[0];
+  __syncthreads();
+  return tok;
+}
+
+// Shared prologue: parents of request b in shared memory as int16 (N <= 1025), invalid ones unlinked.
+__device__ int load_tree(const i64* parents, const i64* num_nodes, int b, int N, short* par, int* errors) {
+  i64 n = num_nodes[b];
+  if (n < 0 || n > N - 1) {
+    if (threadIdx.x == 0) atomicOr(errors, ERR_NUM_NODES);
+    n = n < 0 ? 0 : N - 1;
+  }
+  for (int i = threadIdx.x; i <= (int)n; i += blockDim.x) {
+    i64 p = parents[(i64)b * N + i];
+    if (i > 0 && (p < 0 || p >= i)) { atomicOr(errors, ERR_BAD_PARENT); p = -1; }
+    par[i] = (short)(i == 0 ? -1 : p);
+  }
+  return (int)n;
+}
+
+// Writes the padding after the walk: accepted[tau..M) = -1, committed[tau..C) = -1.
+__device__ void finish(int b, int tau, int cur, i64 bonus, int M, int C, const i64* seq_lens, i64* accepted,
+                       i64* accept_lens, i64* bonus_out, i64* committed, i64* new_seq_lens) {
+  for (int j = tau + threadIdx.x; j < M; j += blockDim.x) accepted[(i64)b * M + j] = -1;
+  for (int j = tau + threadIdx.x; j < C; j += blockDim.x) committed[(i64)b * C + j] = -1;
+  if (threadIdx.x == 0) {
+    committed[(i64)b * C + tau - 1] = bonus;
+    accept_lens[b] = tau;
+    bonus_out[b] = bonus;
+    if (seq_lens != nullptr) new_seq_lens[b] = seq_lens[b] + tau;
+  }
+}
+
+extern "C" __global__ void accept_ids(const i64* tokens, const i64* parents, const i64* num_nodes,
+                                      const i64* target_ids, const i64* seq_lens, int N, int M, int C,
+                                      i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
+                                      i64* new_seq_lens, int* errors) {
+  __shared__ short par[MAX_WIDTH];
+  __shared__ int first_hit[MAX_WIDTH];
+  __shared__ int s_tau, s_cur;
+  const int b = blockIdx.x;
+  const int n = load_tree(parents, num_nodes, b, N, par, errors);
+  for (int i = threadIdx.x; i <= n; i += blockDim.x) first_hit[i] = NO_CHILD;
+  __syncthreads();
+  const i64* tok = tokens + (i64)b * N;
+  const i64* tgt = target_ids + (i64)b * N;
+  // a node is a hit when its token is the target's choice at its parent; the lowest hit child wins
+  for (int i = 1 + threadIdx.x; i <= n; i += blockDim.x) {
+    int p = par[i];
+    if (p >= 0 && tok[i] == tgt[p]) atomicMin(&first_hit[p], i);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int cur = 0, tau = 1;
+    accepted[(i64)b * M] = 0;
+    while (first_hit[cur] != NO_CHILD) {
+      if (tau >= M) { atomicOr(errors, ERR_MAX_DEPTH); break; }
+      int nxt = first_hit[cur];
+      accepted[(i64)b * M + tau] = nxt;
+      committed[(i64)b * C + tau - 1] = tok[nxt];
+      ++tau;
+      cur = nxt;
+    }
+    s_tau = tau;
+    s_cur = cur;
+  }
+  __syncthreads();
+  finish(b, s_tau, s_cur, tgt[s_cur], M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens);
+}
+
+// Lazy walk over logits: each step reads only row b*N+cur (argmax or sample), then finds the lowest child
+// of cur carrying that token. SAMPLED=false is greedy.
+template <typename Elem, bool SAMPLED>
+__device__ void accept_logits_impl(const i64* tokens, const i64* parents, const i64* num_nodes, const Elem* logits,
+                                   i64 V, i64 ld, const i64* seq_lens, const float* temperatures,
+                                   const i64* top_ks, const float* top_ps, const i64* seeds, int N, int M, int C,
+                                   i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
+                                   i64* new_seq_lens, int* errors) {
+  __shared__ short par[MAX_WIDTH];
+  __shared__ int s_next;
+  __shared__ SampleScratch scratch;
+  const int b = blockIdx.x;
+  const int n = load_tree(parents, num_nodes, b, N, par, errors);
+  __syncthreads();
+  const i64* tok = tokens + (i64)b * N;
+  const bool vec_ok = (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
+  float temperature = 0.0f, top_p = 1.0f;
+  i64 top_k = V;
+  uint2 key = make_uint2(0, 0);
+  u64 position = 0;
+  if (SAMPLED) {
+    temperature = temperatures[b];
+    top_k = top_ks != nullptr ? top_ks[b] : V;
+    top_p = top_ps != nullptr ? top_ps[b] : 1.0f;
+    key = make_uint2((u32)seeds[b], (u32)((u64)seeds[b] >> 32));
+    position = (u64)seq_lens[b];
+  }
+  if (threadIdx.x == 0) accepted[(i64)b * M] = 0;
+  int cur = 0, tau = 1;
+  i64 choice;
+  while (true) {
+    const Elem* row = logits + ((i64)b * N + cur) * ld;
+    if (SAMPLED && temperature > 0.0f) {
+      // counter = (node, position lo, position hi, stream tag): one draw per (request, round, node)
+      uint4 ctr = make_uint4((u32)cur, (u32)position, (u32)(position >> 32), 0x6b647472u);
+      choice = row_sample(row, V, vec_ok, temperature, top_k, top_p, ctr, key, scratch, errors);
+    } else {
+      choice = row_argmax(row, V, vec_ok, scratch, errors);
+    }
+    if (threadIdx.x == 0) s_next = NO_CHILD;
+    __syncthreads();
+    for (int i = cur + 1 + threadIdx.x; i <= n; i += blockDim.x)
+      if (par[i] == cur && tok[i] == choice) atomicMin(&s_next, i);
+    __syncthreads();
+    const int nxt = s_next;
+    __syncthreads();  // s_next is reset next step
+    if (nxt == NO_CHILD) break;
+    if (tau >= M) {
+      if (threadIdx.x == 0) atomicOr(errors, ERR_MAX_DEPTH);
+      break;
+    }
+    if (threadIdx.x == 0) {
+      accepted[(i64)b * M + tau] = nxt;
+      committed[(i64)b * C + tau - 1] = tok[nxt];
+    }
+    ++tau;
+    cur = nxt;
+  }
+  finish(b, tau, cur, choice, M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens);
+}
+
+#define ACCEPT_LOGITS_ENTRY(NAME, ELEM, SAMPLED)                                                              \
+  extern "C" __global__ void NAME(const i64* tokens, const i64* parents, const i64* num_nodes,               \
+                                  const ELEM* logits, i64 V, i64 ld, const i64* seq_lens,                     \
+                                  const float* temperatures, const i64* top_ks, const float* top_ps,          \
+                                  const i64* seeds, int N, int M, int C, i64* accepted, i64* accept_lens,     \
+                                  i64* bonus_out, i64* committed, i64* new_seq_lens, int* errors) {           \
+    accept_logits_impl<ELEM, SAMPLED>(tokens, parents, num_nodes, logits, V, ld, seq_lens, temperatures,     \
+                                      top_ks, top_ps, seeds, N, M, C, accepted, accept_lens, bonus_out,      \
+                                      committed, new_seq_lens, errors);                                      \
+  }
+
+ACCEPT_LOGITS_ENTRY(accept_logits_f32, float, false)
+ACCEPT_LOGITS_ENTRY(accept_logits_bf16, unsigned short, false)
+ACCEPT_LOGITS_ENTRY(accept_sampled_f32, float, true)
+ACCEPT_LOGITS_ENTRY(accept_sampled_bf16, unsigned short, true)

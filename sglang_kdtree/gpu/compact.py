@@ -1,0 +1,315 @@
+"""GPU commit (``kernels/kv_compact.cu``, ``kernels/gather_hidden.cu``): twins of ``reference.commit_plan``,
+``reference.compact_kv`` and ``reference.gather_hidden`` over torch CUDA tensors, no host sync.
+
+Typical round (the worker): ``plan = commit_plan(res.accepted, res.accept_lens, verify_slots)`` with
+``verify_slots = verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, N)``, then
+``compact_kv(table, plan)`` with ``table = kv_layer_table(pool.kv_buffer)`` (MLA) or
+``kv_layer_table(pool.k_buffer + pool.v_buffer)`` (MHA) built once per pool, and
+``gather_hidden(hidden, plan)`` for the drafter.
+
+Data-dependent errors (slot out of range, invalid path, bad hidden row) set bits in an ``int32 [1]``
+device flag (``sglang_kdtree.gpu.errors``) and the offending request is not written; shapes, dtypes and
+devices are checked on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu.errors import new_error_flag
+
+__all__ = [
+    "GPUCommitPlan",
+    "KVLayerTable",
+    "kv_layer_table",
+    "verify_slots_from_req_to_token",
+    "commit_plan",
+    "compact_kv",
+    "gather_hidden",
+]
+
+_PLAN_THREADS = 128
+_COMPACT_THREADS = 256
+_GATHER_THREADS = 128
+_MAX_ROWS = 1025
+#: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
+_TARGET_BLOCKS = 4 * 132
+
+
+@dataclass
+class GPUCommitPlan:
+    """``reference.CommitPlan`` on the GPU: ``src_slots``, ``dst_slots``, ``hidden_rows`` ``[bs, M]`` int64
+    (-1 padded), ``accept_lens`` ``[bs]`` int64, and the ``errors`` flag (bit 64: invalid path)."""
+
+    src_slots: object
+    dst_slots: object
+    hidden_rows: object
+    accept_lens: object
+    errors: object
+
+
+@dataclass(frozen=True)
+class KVLayerTable:
+    """Layer buffers of one KV pool as a device array of base pointers (one launch moves every layer).
+
+    Build once per pool with ``kv_layer_table``; the buffers must outlive the table (SGLang's pools
+    keep theirs for the server's lifetime).
+    """
+
+    layer_ptrs: object  # [layers] int64 CUDA tensor of base addresses
+    num_layers: int
+    num_slots: int
+    row_bytes: int
+    slot_stride_bytes: int
+    unit_bytes: int  # widest of 16/4/2/1 dividing row, stride and every base address
+    device: object
+    buffers: tuple  # keeps the tensors alive and lets the table be checked against a pool
+
+
+def _require_cuda(name, t):
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}; the GPU commit needs CUDA tensors")
+
+
+def kv_layer_table(buffers) -> KVLayerTable:
+    """Pointer table of a pool's layer buffers.
+
+    Args:
+        buffers: a list of per-layer CUDA tensors of identical shape ``[slots, ...]``, dtype and device,
+            each with a contiguous row (``[slots, 1, 576]`` MLA, ``[slots, heads, head_dim]`` MHA k or v;
+            pass ``k_buffer + v_buffer`` for MHA), or one tensor ``[layers, slots, ...]``.
+    """
+    import torch
+
+    if isinstance(buffers, torch.Tensor):
+        if buffers.dim() < 2:
+            raise ValueError(f"a single KV tensor must be [layers, slots, ...], got shape {tuple(buffers.shape)}")
+        buffers = list(buffers.unbind(0)) if buffers.dim() >= 3 else [buffers]
+    buffers = tuple(buffers)
+    if not buffers:
+        raise ValueError("kv_layer_table needs at least one layer buffer")
+    first = buffers[0]
+    for i, b in enumerate(buffers):
+        _require_cuda(f"buffers[{i}]", b)
+        if b.dim() < 2:
+            raise ValueError(f"buffers[{i}] must be [slots, ...], got shape {tuple(b.shape)}")
+        if tuple(b.shape) != tuple(first.shape) or b.dtype != first.dtype or b.device != first.device:
+            raise ValueError(
+                f"buffers[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}, expected {tuple(first.shape)} "
+                f"{first.dtype} on {first.device} like buffers[0]"
+            )
+        if b.stride() != first.stride():
+            raise ValueError(f"buffers[{i}] has strides {b.stride()}, expected {first.stride()}")
+    row = first[0]
+    if not row.is_contiguous():
+        raise ValueError("each slot's row must be contiguous (the pools' [slots, ...] layout)")
+    esize = first.element_size()
+    row_bytes = row.numel() * esize
+    stride_bytes = first.stride(0) * esize
+    ptrs = [b.data_ptr() for b in buffers]
+    unit = 16
+    while unit > 1 and (row_bytes % unit or stride_bytes % unit or any(p % unit for p in ptrs)):
+        unit //= 2
+    if unit == 8:
+        unit = 4  # no 8-byte kernel variant; 4 divides whatever 8 divides
+    table = torch.tensor(ptrs, dtype=torch.int64).to(first.device)
+    return KVLayerTable(
+        layer_ptrs=table,
+        num_layers=len(buffers),
+        num_slots=int(first.shape[0]),
+        row_bytes=row_bytes,
+        slot_stride_bytes=stride_bytes,
+        unit_bytes=unit,
+        device=first.device,
+        buffers=buffers,
+    )
+
+
+def verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, width: int):
+    """``[bs, N]`` int64 KV slots of the verify rows: ``req_to_token[req_pool_indices[b], seq_lens[b] + i]``.
+
+    Args:
+        req_to_token: SGLang's ``[pool_size, max_context]`` int32 (or int64) table.
+        req_pool_indices: ``[bs]`` int64.
+        seq_lens: ``[bs]`` int64 committed lengths P (node i sits at position P + i during verify).
+        width: verify width N.
+    """
+    import torch
+
+    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
+        _require_cuda(name, t)
+    cols = seq_lens.to(torch.int64)[:, None] + torch.arange(width, device=seq_lens.device)[None, :]
+    # a window past the table's end would read garbage: clamp and let the compaction's range check see -1
+    inside = cols < req_to_token.shape[1]
+    rows = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols.clamp(max=req_to_token.shape[1] - 1)]
+    return torch.where(inside, rows.to(torch.int64), torch.full_like(cols, -1))
+
+
+def _ptr(t):
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommitPlan:
+    """KV moves and hidden rows that commit the accepted paths; twin of ``reference.commit_plan``.
+
+    Args:
+        accepted: ``[bs, M]`` int64 accepted node indices (``GPUAcceptResult.accepted``), -1 padded.
+        accept_lens: ``[bs]`` int64 tau.
+        verify_slots: ``[bs, N]`` int64 or int32 KV slot of node i during verify (= position P+i after).
+        errors: optional ``int32 [1]`` flag to OR into (e.g. the accept result's); a new one otherwise.
+
+    An invalid path (tau outside [1, min(M, N)], not starting at 0, not strictly increasing, a node
+    >= N) sets bit 64 and leaves that request's rows -1, which ``compact_kv`` and ``gather_hidden`` skip.
+    """
+    import torch
+
+    for name, t in (("accepted", accepted), ("accept_lens", accept_lens), ("verify_slots", verify_slots)):
+        _require_cuda(name, t)
+    if accepted.dtype != torch.int64 or accept_lens.dtype != torch.int64:
+        raise TypeError(f"accepted and accept_lens must be int64, got {accepted.dtype} and {accept_lens.dtype}")
+    if verify_slots.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"verify_slots must be int64 or int32, got {verify_slots.dtype}")
+    if accepted.dim() != 2 or verify_slots.dim() != 2:
+        raise ValueError(f"accepted {tuple(accepted.shape)} and verify_slots {tuple(verify_slots.shape)} must be 2-D")
+    bs, m = accepted.shape
+    width = verify_slots.shape[1]
+    if verify_slots.shape[0] != bs or tuple(accept_lens.shape) != (bs,):
+        raise ValueError(
+            f"batch mismatch: accepted {tuple(accepted.shape)}, accept_lens {tuple(accept_lens.shape)}, "
+            f"verify_slots {tuple(verify_slots.shape)}"
+        )
+    if verify_slots.stride(1) != 1:
+        verify_slots = verify_slots.contiguous()
+    device = accepted.device
+    errors = new_error_flag(device) if errors is None else errors
+    kw = dict(dtype=torch.int64, device=device)
+    plan = GPUCommitPlan(
+        src_slots=torch.empty((bs, m), **kw),
+        dst_slots=torch.empty((bs, m), **kw),
+        hidden_rows=torch.empty((bs, m), **kw),
+        accept_lens=accept_lens,
+        errors=errors,
+    )
+    if bs == 0 or m == 0:
+        return plan
+    mod = runtime.load_module("kv_compact.cu")
+    name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
+    with runtime.current_stream():
+        mod.get_function(name)(
+            (bs,), (_PLAN_THREADS,),
+            (_ptr(accepted.contiguous()), _ptr(accept_lens.contiguous()), _ptr(verify_slots),
+             np.int64(verify_slots.stride(0)), np.int32(bs), np.int32(m), np.int32(width),
+             _ptr(plan.src_slots), _ptr(plan.dst_slots), _ptr(plan.hidden_rows), _ptr(errors)),
+        )
+    return plan
+
+
+def compact_kv(kv, plan, *, errors=None):
+    """Apply a commit plan in place to every layer of a pool in one launch; twin of ``reference.compact_kv``.
+
+    Args:
+        kv: a ``KVLayerTable`` (build once per pool), or what ``kv_layer_table`` accepts.
+        plan: ``GPUCommitPlan`` (or any object with ``src_slots``, ``dst_slots`` ``[bs, M]`` int64 and
+            ``accept_lens`` ``[bs]`` int64 CUDA tensors). Different requests' slots must be disjoint.
+        errors: ``int32 [1]`` flag to OR into; default ``plan.errors`` if present, else a new one.
+
+    Returns:
+        the errors flag. Rows with ``src == dst`` are not touched; a request with a slot outside
+        ``[0, slots)`` sets bit 128 and is not moved at all.
+    """
+    import torch
+
+    table = kv if isinstance(kv, KVLayerTable) else kv_layer_table(kv)
+    src, dst, lens = plan.src_slots, plan.dst_slots, plan.accept_lens
+    for name, t in (("plan.src_slots", src), ("plan.dst_slots", dst), ("plan.accept_lens", lens)):
+        _require_cuda(name, t)
+        if t.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {t.dtype}")
+        if t.device != table.device:
+            raise ValueError(f"{name} is on {t.device}, the KV pool on {table.device}")
+    if src.dim() != 2 or tuple(dst.shape) != tuple(src.shape) or tuple(lens.shape) != (src.shape[0],):
+        raise ValueError(
+            f"plan shapes disagree: src {tuple(src.shape)}, dst {tuple(dst.shape)}, accept_lens {tuple(lens.shape)}"
+        )
+    bs, m = src.shape
+    if m > _MAX_ROWS:
+        raise ValueError(f"plan has {m} columns, more than the kernel's {_MAX_ROWS} rows per request")
+    if errors is None:
+        errors = getattr(plan, "errors", None)
+        if errors is None:
+            errors = new_error_flag(table.device)
+    if bs == 0 or m == 0:
+        return errors
+    unit = table.unit_bytes
+    row_units = table.row_bytes // unit
+    # split rows by columns only when layers x requests alone would leave SMs idle
+    blocks = table.num_layers * bs
+    splits = max(1, min(-(-_TARGET_BLOCKS // blocks), row_units // 8 or 1))
+    mod = runtime.load_module("kv_compact.cu")
+    kernel = mod.get_function({16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
+    with runtime.current_stream():
+        kernel(
+            (table.num_layers, bs, splits), (_COMPACT_THREADS,),
+            (_ptr(table.layer_ptrs), np.int64(table.slot_stride_bytes // unit), np.int64(row_units),
+             np.int64(table.num_slots), _ptr(src.contiguous()), _ptr(dst.contiguous()), _ptr(lens.contiguous()),
+             np.int32(m), _ptr(errors)),
+        )
+    return errors
+
+
+def gather_hidden(hidden, plan, *, errors=None):
+    """The accepted rows of the verify hidden states, packed per request; twin of ``reference.gather_hidden``.
+
+    Args:
+        hidden: ``[bs*N, D]`` CUDA tensor (any dtype; rows contiguous).
+        plan: ``GPUCommitPlan`` (uses ``hidden_rows`` ``[bs, M]``).
+        errors: ``int32 [1]`` flag to OR into (default ``plan.errors``).
+
+    Returns:
+        ``[bs, M, D]`` tensor of hidden's dtype: row j < tau of request b is ``hidden[b*N + accepted[b, j]]``
+        (the accepted rows, not the first tau), zeros past tau.
+    """
+    import torch
+
+    _require_cuda("hidden", hidden)
+    rows = plan.hidden_rows
+    _require_cuda("plan.hidden_rows", rows)
+    if rows.dtype != torch.int64 or rows.dim() != 2:
+        raise TypeError(f"plan.hidden_rows must be [bs, M] int64, got {tuple(rows.shape)} {rows.dtype}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [bs*N, D], got shape {tuple(hidden.shape)}")
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if errors is None:
+        errors = getattr(plan, "errors", None)
+        if errors is None:
+            errors = new_error_flag(hidden.device)
+    bs, m = rows.shape
+    d = hidden.shape[1]
+    out = torch.empty((bs, m, d), dtype=hidden.dtype, device=hidden.device)
+    if out.numel() == 0:
+        return out
+    esize = hidden.element_size()
+    row_bytes, ld_bytes = d * esize, hidden.stride(0) * esize
+    unit = 16
+    while unit > 2 and (row_bytes % unit or ld_bytes % unit or hidden.data_ptr() % unit):
+        unit //= 2
+    if unit == 8:
+        unit = 4
+    if row_bytes % unit or ld_bytes % unit:
+        raise ValueError(f"hidden rows of {row_bytes} bytes are not a multiple of 2 bytes")
+    mod = runtime.load_module("gather_hidden.cu")
+    with runtime.current_stream():
+        mod.get_function({16: "gather_hidden_16B", 4: "gather_hidden_4B", 2: "gather_hidden_2B"}[unit])(
+            (bs * m,), (_GATHER_THREADS,),
+            (_ptr(hidden), np.int64(ld_bytes // unit), np.int64(hidden.shape[0]), np.int64(row_bytes // unit),
+             _ptr(rows.contiguous()), _ptr(out), _ptr(errors)),
+        )
+    return out

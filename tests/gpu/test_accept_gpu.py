@@ -1,0 +1,399 @@
+"""GPU accept walk (kernels/tree_accept.cu) against the numpy reference and SGLang's verify_tree_greedy.
+
+Exact comparisons on fresh random trees (arbitrary parent links with duplicate sibling tokens, and real
+best-first DDTree trees), targets steered down random paths, argmax ties, padding, edge widths; outputs
+are poisoned before every launch. The sampled walk is checked exactly where it must be deterministic
+(top_k = 1, T = 0, same seed) and by chi-square against direct sampling of the target otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_kdtree import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+POISON = 0x5A5A5A5A5A5A5A5A
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def random_trees(rng, bs, width, vocab, num_nodes=None):
+    """Arbitrary valid trees: parent[i] uniform in [0, i), tokens from a small vocabulary (duplicates)."""
+    tokens = np.zeros((bs, width), dtype=np.int64)
+    depths = np.zeros((bs, width), dtype=np.int64)
+    parents = np.full((bs, width), -1, dtype=np.int64)
+    nn = np.zeros(bs, dtype=np.int64)
+    for b in range(bs):
+        n = int(rng.integers(0, width)) if num_nodes is None else int(num_nodes[b])
+        nn[b] = n
+        tokens[b, 0] = rng.integers(0, vocab)
+        for i in range(1, n + 1):
+            p = int(rng.integers(0, i)) if rng.random() < 0.6 else i - 1  # mix of bushy and chain-like
+            parents[b, i] = p
+            depths[b, i] = depths[b, p] + 1
+            tokens[b, i] = rng.integers(0, vocab)
+    return ref.TreeBatch(tokens=tokens, depths=depths, parents=parents, num_nodes=nn)
+
+
+def ddtree_trees(rng, bs, budget, depth, vocab):
+    logits = rng.normal(size=(bs, depth, vocab)).astype(np.float32) * 3
+    lp, ids = ref.topk_logprobs(logits, budget)
+    return ref.build_trees(lp, ids, budget, rng.integers(0, vocab, size=bs))
+
+
+def steered_targets(rng, trees, vocab):
+    """[bs, N] target ids, random except along a random root-to-node path (so walks go deep)."""
+    bs, width = trees.tokens.shape
+    tgt = rng.integers(0, vocab, size=(bs, width)).astype(np.int64)
+    for b in range(bs):
+        n = int(trees.num_nodes[b])
+        if n == 0:
+            continue
+        node = int(rng.integers(1, n + 1))
+        while node > 0:
+            p = int(trees.parents[b, node])
+            tgt[b, p] = trees.tokens[b, node]
+            node = p
+    return tgt
+
+
+def to_gpu(trees):
+    torch = _torch()
+
+    class T:
+        pass
+
+    t = T()
+    for name in ("tokens", "parents", "num_nodes", "depths"):
+        setattr(t, name, torch.from_numpy(getattr(trees, name)).cuda())
+    return t
+
+
+def poisoned_out(bs, width, max_depth):
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import GPUAcceptResult
+
+    def p(*shape):
+        return torch.full(shape, POISON, dtype=torch.int64, device="cuda")
+
+    return GPUAcceptResult(
+        accepted=p(bs, max_depth + 1), accept_lens=p(bs), bonus=p(bs), committed=p(bs, width),
+        new_seq_lens=p(bs), errors=torch.zeros(1, dtype=torch.int32, device="cuda"),
+    )
+
+
+def assert_same(ours, expect: ref.AcceptResult, seq_lens=None):
+    m = expect.accepted.shape[1]
+    np.testing.assert_array_equal(ours.accepted.cpu().numpy(), expect.accepted)
+    np.testing.assert_array_equal(ours.accept_lens.cpu().numpy(), expect.accept_lens)
+    np.testing.assert_array_equal(ours.bonus.cpu().numpy(), expect.bonus)
+    committed = ours.committed.cpu().numpy()
+    np.testing.assert_array_equal(committed[:, :m], expect.committed)
+    assert (committed[:, m:] == -1).all()
+    if seq_lens is not None:
+        np.testing.assert_array_equal(ours.new_seq_lens.cpu().numpy(), seq_lens + expect.accept_lens)
+    assert int(ours.errors.item()) == 0
+
+
+def logits_for(rng, target_ids, vocab, ties=True):
+    """[bs*N, V] float32 logits whose argmax (lower id on ties) is target_ids; small ints make ties."""
+    rows = target_ids.reshape(-1)
+    x = rng.integers(-4, 4, size=(rows.size, vocab)).astype(np.float32)
+    x[np.arange(rows.size), rows] = 6.0
+    if ties:
+        # a tie at a higher id must lose to the planted lower id; a tie below the target would win
+        higher = np.minimum(rows + 1 + rng.integers(0, 5, size=rows.size), vocab - 1)
+        x[np.arange(rows.size), higher] = 6.0
+    return x
+
+
+@pytest.mark.parametrize("width,vocab", [(1, 5), (2, 3), (17, 4), (65, 8), (257, 6), (1025, 3)])
+def test_ids_random_trees_match_reference(width, vocab):
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(width * 7 + vocab)
+    bs = 33
+    nn = rng.integers(0, width, size=bs)
+    nn[0] = 0  # root only
+    nn[1] = width - 1  # full
+    trees = random_trees(rng, bs, width, vocab, num_nodes=nn)
+    tgt = steered_targets(rng, trees, vocab)
+    max_depth = width - 1
+    expect = ref.accept_greedy(trees, tgt, max_depth=max_depth)
+    seq_lens = rng.integers(0, 10000, size=bs).astype(np.int64)
+    g = to_gpu(trees)
+    for target in (torch.from_numpy(tgt).cuda(), torch.from_numpy(tgt).cuda().reshape(-1)):
+        out = poisoned_out(bs, width, max_depth)
+        res = accept_greedy(g, target, max_depth, seq_lens=torch.from_numpy(seq_lens).cuda(), out=out)
+        assert_same(res, expect, seq_lens)
+
+
+@pytest.mark.parametrize("budget,depth", [(16, 15), (64, 15), (256, 15), (15, 15), (1, 4)])
+def test_ddtree_trees_all_target_kinds(budget, depth):
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(budget + depth)
+    vocab = 50
+    bs = 16
+    trees = ddtree_trees(rng, bs, budget, depth, vocab)
+    tgt = steered_targets(rng, trees, vocab)
+    md = depth
+    expect = ref.accept_greedy(trees, tgt, max_depth=md)
+    g = to_gpu(trees)
+    width = trees.tokens.shape[1]
+    res = accept_greedy(g, torch.from_numpy(tgt).cuda(), md, out=poisoned_out(bs, width, md))
+    assert_same(res, expect)
+    logits = logits_for(rng, tgt, vocab)
+    expect_l = ref.accept_greedy(trees, logits.reshape(bs, width, vocab), max_depth=md)
+    np.testing.assert_array_equal(expect_l.accepted, expect.accepted)  # the planted argmax is the reference's too
+    for dtype in (torch.float32, torch.bfloat16):
+        lt = torch.from_numpy(logits).cuda().to(dtype)
+        res = accept_greedy(g, lt, md, out=poisoned_out(bs, width, md))
+        assert_same(res, expect)
+        res3 = accept_greedy(g, lt.reshape(bs, width, vocab), md, out=poisoned_out(bs, width, md))
+        assert_same(res3, expect)
+
+
+@pytest.mark.parametrize("vocab", [7, 8, 4096, 4099, 151936])
+def test_fused_argmax_ties_and_vocab_sizes(vocab):
+    """Vectorised (V % 8 == 0) and scalar tails; ties everywhere; -inf entries; a strided logits view."""
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(vocab)
+    bs, width = 8, 17
+    trees = random_trees(rng, bs, width, min(vocab, 5))
+    tgt = steered_targets(rng, trees, min(vocab, 5))
+    x = rng.integers(-2, 2, size=(bs * width, vocab)).astype(np.float32)
+    x[rng.random(x.shape) < 0.1] = -np.inf
+    rows = tgt.reshape(-1)
+    x[np.arange(rows.size), rows] = 3.0
+    x[np.arange(rows.size), np.minimum(rows + 2, vocab - 1)] = 3.0
+    expect = ref.accept_greedy(trees, x.reshape(bs, width, vocab), max_depth=width - 1)
+    g = to_gpu(trees)
+    for dtype in (torch.float32, torch.bfloat16):
+        big = torch.zeros((bs * width, vocab + 3), dtype=dtype, device="cuda")
+        big[:, :vocab] = torch.from_numpy(x).to(dtype)
+        for lt in (big[:, :vocab].contiguous(), big[:, :vocab]):  # row stride V and V + 3
+            res = accept_greedy(g, lt, width - 1, out=poisoned_out(bs, width, width - 1))
+            assert_same(res, expect)
+
+
+def test_matches_sglang_verify_tree_greedy():
+    torch = _torch()
+    tree_ops = pytest.importorskip("sglang.kernels.ops.speculative.tree")
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(5)
+    for bs, width, vocab in ((1, 17, 4), (32, 65, 6), (128, 257, 5)):
+        trees = random_trees(rng, bs, width, vocab)
+        tgt = steered_targets(rng, trees, vocab)
+        vi = ref.verify_inputs(trees, np.zeros(bs, dtype=np.int64))
+        md = width - 1
+        spec = md + 1
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()
+        predicts = torch.full((bs * width,), -7, dtype=torch.int32, device="cuda")
+        accept_index = torch.full((bs, spec), -1, dtype=torch.int32, device="cuda")
+        accept_num = torch.full((bs,), -7, dtype=torch.int32, device="cuda")
+        tree_ops.verify_tree_greedy(
+            predicts, accept_index, accept_num, dev(trees.tokens), dev(vi.retrieve_index),
+            dev(vi.retrieve_next_token), dev(vi.retrieve_next_sibling), dev(tgt),
+        )
+        ours = accept_greedy(to_gpu(trees), dev(tgt), md, out=poisoned_out(bs, width, md))
+        tau = ours.accept_lens.cpu().numpy()
+        np.testing.assert_array_equal(accept_num.cpu().numpy(), tau - 1)
+        acc = ours.accepted.cpu().numpy()
+        rows = np.where(acc >= 0, acc + np.arange(bs)[:, None] * width, -1)
+        np.testing.assert_array_equal(accept_index.cpu().numpy(), rows)
+        pred = predicts.cpu().numpy()
+        committed = ours.committed.cpu().numpy()
+        for b in range(bs):
+            np.testing.assert_array_equal(pred[rows[b, : tau[b]]], committed[b, : tau[b]])
+
+
+def test_device_errors_are_flagged_not_written():
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(11)
+    bs, width, vocab = 4, 9, 3
+    trees = random_trees(rng, bs, width, vocab, num_nodes=[8, 8, 8, 8])
+    # a chain 0-1-2-...-8 fully accepted but max_depth = 3: truncated + bit 4
+    trees.parents[0, 1:] = np.arange(0, 8)
+    tgt = np.zeros((bs, width), dtype=np.int64)
+    tgt[0, :8] = trees.tokens[0, 1:]
+    g = to_gpu(trees)
+    res = accept_greedy(g, torch.from_numpy(tgt).cuda(), 3)
+    assert int(res.errors.item()) & 4
+    with pytest.raises(ValueError, match="max_depth"):
+        res.raise_on_error()
+    assert res.accepted[0].tolist() == [0, 1, 2, 3]
+    # num_nodes out of range, a parent >= i, NaN logits
+    g.num_nodes[1] = width + 5
+    g.parents[2, 5] = 7
+    logits = torch.randn(bs * width, 16, device="cuda")
+    logits[0, 3] = float("nan")
+    res = accept_greedy(g, logits, width - 1)
+    assert int(res.errors.item()) == 1 | 2 | 8
+    assert (res.accept_lens.cpu() >= 1).all()
+
+
+def test_sampled_top_k_one_and_zero_temperature_are_greedy():
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy, accept_sampled
+
+    rng = np.random.default_rng(3)
+    bs, width, vocab = 64, 65, 300
+    trees = random_trees(rng, bs, width, 6)
+    tgt = steered_targets(rng, trees, 6)
+    logits = logits_for(rng, tgt, vocab)
+    expect = ref.accept_greedy(trees, tgt, max_depth=width - 1)
+    g = to_gpu(trees)
+    seq = torch.from_numpy(rng.integers(0, 1 << 40, size=bs)).cuda()
+    seeds = torch.from_numpy(rng.integers(0, 1 << 62, size=bs)).cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        lt = torch.from_numpy(logits).cuda().to(dtype)
+        temps = torch.full((bs,), 0.9, device="cuda")
+        res = accept_sampled(g, lt, temps, seeds, seq, top_ks=torch.ones(bs, dtype=torch.int64, device="cuda"),
+                             out=poisoned_out(bs, width, width - 1))
+        assert_same(res, expect, seq.cpu().numpy())
+        res = accept_sampled(g, lt, torch.zeros((bs, 1), device="cuda"), seeds, seq,
+                             out=poisoned_out(bs, width, width - 1))
+        assert_same(res, expect, seq.cpu().numpy())
+        # top_p tiny keeps only the top token too
+        res = accept_sampled(g, lt, temps, seeds, seq, top_ps=torch.full((bs,), 1e-6, device="cuda"))
+        assert_same(res, expect, seq.cpu().numpy())
+
+
+def test_sampled_is_reproducible_and_seeded():
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_sampled
+
+    rng = np.random.default_rng(4)
+    bs, width, vocab = 256, 17, 4
+    trees = random_trees(rng, bs, width, vocab)
+    g = to_gpu(trees)
+    lt = torch.randn(bs * width, vocab, device="cuda")
+    temps = torch.ones(bs, device="cuda")
+    seq = torch.arange(bs, device="cuda") * 3
+    seeds = torch.arange(bs, device="cuda") + 12345
+    a = accept_sampled(g, lt, temps, seeds, seq)
+    b = accept_sampled(g, lt, temps, seeds, seq)
+    c = accept_sampled(g, lt, temps, seeds + 1, seq)
+    for name in ("accepted", "accept_lens", "bonus", "committed", "new_seq_lens"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    assert not torch.equal(a.committed, c.committed)
+    assert int(a.errors.item()) == 0
+
+
+def _filtered(p, top_k, top_p):
+    """SGLang's top-k / top-p on one probability row (sorted by prob desc, lower id first)."""
+    order = np.lexsort((np.arange(p.size), -p))
+    ps = p[order]
+    excl = np.cumsum(ps) - ps
+    keep = (np.arange(p.size) < top_k) & (excl <= top_p)
+    q = np.zeros_like(p)
+    q[order[keep]] = ps[keep]
+    return q / q.sum()
+
+
+def _chi2(observed: dict, expected: dict, n: int):
+    keys = sorted(set(expected) | set(observed))
+    big = [k for k in keys if expected.get(k, 0) * n >= 5]
+    stat = 0.0
+    for k in big:
+        e = expected[k] * n
+        stat += (observed.get(k, 0) - e) ** 2 / e
+    e_rest = n - sum(expected[k] * n for k in big)
+    o_rest = n - sum(observed.get(k, 0) for k in big)
+    if e_rest >= 5:
+        stat += (o_rest - e_rest) ** 2 / e_rest
+        df = len(big)
+    else:
+        df = len(big) - 1
+        if o_rest > 5 + 10 * e_rest:  # draws where the expected distribution has (almost) no mass
+            return float("inf"), df
+    return stat, df
+
+
+@pytest.mark.parametrize(
+    "vocab,dtype_name,temp,top_k,top_p",
+    [
+        (6, "float32", 0.8, None, None),
+        (6, "float32", 1.3, 3, None),
+        (6, "bfloat16", 1.0, None, 0.7),
+        (4096, "bfloat16", 0.7, 5, 0.9),
+        (4099, "float32", 1.0, None, None),
+    ],
+)
+def test_sampled_committed_distribution_equals_target_sampling(vocab, dtype_name, temp, top_k, top_p):
+    """Committed (first, second) tokens over many independent requests vs direct target sampling."""
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_sampled
+
+    rng = np.random.default_rng(vocab + int(temp * 10))
+    # one tree: root -> nodes 1,2,3 (tokens 1,2,4); node 1 -> nodes 4,5 (tokens 0,3); node 4 -> node 6 (token 2)
+    width = 7
+    tok = np.array([5, 1, 2, 4, 0, 3, 2])
+    par = np.array([-1, 0, 0, 0, 1, 1, 4])
+    live = 8  # tokens with real mass; the rest of a big vocabulary sits far below
+    base = np.full((width, vocab), -30.0, dtype=np.float32)
+    base[:, :live] = rng.normal(size=(width, live)).astype(np.float32) * 1.2
+    dtype = getattr(torch, dtype_name)
+    base = torch.from_numpy(base).to(dtype).float().numpy()  # the kernel sees bf16-rounded values
+    n = 200_000 if vocab < 100 else 100_000
+    trees = ref.TreeBatch(
+        tokens=np.tile(tok, (n, 1)), depths=np.zeros((n, width), dtype=np.int64),
+        parents=np.tile(par, (n, 1)), num_nodes=np.full(n, width - 1),
+    )
+    g = to_gpu(trees)
+    lt = torch.from_numpy(base).to(dtype).cuda().repeat(n, 1)
+    res = accept_sampled(
+        g, lt, torch.full((n,), temp, device="cuda"), torch.arange(n, device="cuda") * 7919 + 17,
+        torch.full((n,), 1000, dtype=torch.int64, device="cuda"), 3,
+        top_ks=None if top_k is None else torch.full((n,), top_k, dtype=torch.int64, device="cuda"),
+        top_ps=None if top_p is None else torch.full((n,), top_p, device="cuda"),
+    )
+    assert int(res.errors.item()) == 0
+    committed = res.committed.cpu().numpy()
+    tau = res.accept_lens.cpu().numpy()
+
+    def dist(node, t):
+        x = base[node].astype(np.float64) / t
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        return _filtered(p, vocab if top_k is None else top_k, 1.0 if top_p is None else top_p)
+
+    child = {(int(par[i]), int(tok[i])): i for i in range(width - 1, 0, -1)}
+    expected = {}
+    p0 = dist(0, temp)
+    for a in np.flatnonzero(p0 > 0):
+        if (0, int(a)) in child:
+            p1 = dist(child[(0, int(a))], temp)
+            for b2 in np.flatnonzero(p1 > 0):
+                expected[(int(a), int(b2))] = p0[a] * p1[b2]
+        else:
+            expected[(int(a), -1)] = p0[a]
+    observed: dict = {}
+    for first, second, t in zip(committed[:, 0], committed[:, 1], tau):
+        key = (int(first), int(second) if t >= 2 else -1)
+        observed[key] = observed.get(key, 0) + 1
+    stat, df = _chi2(observed, expected, n)
+    limit = df + 8 * np.sqrt(2 * df)
+    assert stat < limit, f"chi2 {stat:.1f} with {df} dof (limit {limit:.1f})"
+    # the test has power: the distribution at a slightly different temperature is rejected
+    wrong = {}
+    q0 = dist(0, temp * 1.15)
+    for (a, b2), _ in expected.items():
+        wrong[(a, b2)] = q0[a] * (dist(child[(0, a)], temp * 1.15)[b2] if b2 >= 0 else 1.0)
+    wstat, wdf = _chi2(observed, {k: v / sum(wrong.values()) for k, v in wrong.items()}, n)
+    assert wstat > wdf + 8 * np.sqrt(2 * wdf)
