@@ -1,0 +1,390 @@
+"""Tree-verify attention for absorbed MLA: the CuPy launcher (``kernels/mla_tree_verify.cu``) and its float64
+torch twin ``mla_tree_verify_reference`` (same positional signature, same results up to bf16 rounding).
+
+Semantics: request ``b`` verifies ``N`` tree nodes. Query row ``(b*N + i, h)`` is the absorbed query
+``[q_nope (512) | q_rope (64)]``; keys are 576-wide rows of SGLang's MLA pool (latent ``c_kv`` then ``k_rope``)
+and values are their first 512 columns. Row ``(i, h)`` attends to every prefix key of ``b`` and, among the
+``N`` tree keys (node ``j`` stored at slot ``tree_slots[b*N + j]``), exactly those with bit ``j % 32`` of word
+``j // 32`` set in ``ancestor_bits[b, i]`` (ancestors-or-self; the layout of
+``sglang_kdtree.reference.verify_inputs().ancestor_bits``). Scores are ``sm_scale * q.k``; the LSE is the
+natural log of the sum of ``exp(score)`` over the visible keys.
+
+Key addressing (page size 1, or larger: SGLang's ``req_to_token`` / ``kv_indices`` hold token slots
+``page * page_size + offset`` in either case, so a pool viewed as ``[slots, 576]`` is addressed the same way):
+
+* ``mla_tree_verify``: CSR, as SGLang's triton backend builds it: request ``b``'s prefix slots are
+  ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+* ``mla_tree_verify_paged``: ``req_to_token`` rows, as the fa3 backend keeps them: prefix slots
+  ``req_to_token[req_pool_indices[b], :prefix_lens[b]]``.
+
+Validation happens once at the boundary (shapes, dtypes, devices, alignment) without a device sync; values
+(slot ranges, NaN) are not checked: a slot outside the pool is a caller bug the kernel cannot detect cheaply.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from sglang_kdtree.gpu import runtime
+
+__all__ = [
+    "KV_LORA_RANK",
+    "QK_ROPE_DIM",
+    "QK_HEAD_DIM",
+    "mla_tree_verify",
+    "mla_tree_verify_paged",
+    "mla_tree_verify_reference",
+    "choose_num_splits",
+    "ancestor_bits_from_parents",
+    "synthetic_inputs",
+]
+
+KV_LORA_RANK = 512
+QK_ROPE_DIM = 64
+QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM
+
+_ROW_TILE = 64  # query (node, head) rows per CTA; must match ROW_TILE in the .cu
+_KEY_TILE = 32  # keys per pipeline stage; must match KEY_TILE
+_THREADS = 256
+_LDS = QK_HEAD_DIM + 8
+_SMEM_BYTES = 2 * (_ROW_TILE * _LDS + 2 * _KEY_TILE * _LDS + _ROW_TILE * (_KEY_TILE + 8)) + 4 * 4 * _ROW_TILE
+_MAX_SPLITS = 32
+_MIN_KEYS_PER_SPLIT = 256  # below this the merge pass costs more than the extra parallelism gains
+
+
+@functools.cache
+def _kernels():
+    module = runtime.load_module("mla_tree_verify.cu")
+    fns = {name: module.get_function(name) for name in ("mla_tree_verify_i64", "mla_tree_verify_i32")}
+    for fn in fns.values():
+        # 152 KiB of shared memory per CTA: Q tile + double-buffered key tile + P tile.
+        fn.max_dynamic_shared_size_bytes = _SMEM_BYTES
+    fns["merge"] = module.get_function("mla_tree_verify_merge")
+    return fns
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, rows_per_request: int, mean_keys: float, num_sms: int) -> int:
+    """Split-K factor: minimise (waves of CTAs) x (key tiles per CTA + fixed cost), with a merge penalty.
+
+    One CTA per SM fits (its shared memory), so a wave is ``num_sms`` CTAs; small batches with long contexts
+    split the keys so every SM has work, large batches keep one split (no partial-state traffic).
+    """
+    ctas = batch * math.ceil(rows_per_request / _ROW_TILE)
+    best, best_cost = 1, None
+    for s in range(1, _MAX_SPLITS + 1):
+        per = math.ceil(mean_keys / s / _KEY_TILE) * _KEY_TILE
+        if s > 1 and per < _MIN_KEYS_PER_SPLIT:
+            break
+        waves = math.ceil(ctas * s / num_sms)
+        cost = waves * (per / _KEY_TILE + 2) + (6 if s > 1 else 0)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _require(cond: bool, exc, msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_common(q, kv_buffer, tree_slots, ancestor_bits, sm_scale, batch: int):
+    _require(isinstance(q, torch.Tensor) and q.is_cuda, TypeError, "q must be a CUDA torch tensor")
+    _require(q.dtype == torch.bfloat16, TypeError, f"q must be bfloat16, got {q.dtype}")
+    _require(
+        q.dim() == 3 and q.shape[2] == QK_HEAD_DIM,
+        ValueError,
+        f"q must be [bs*N, H, {QK_HEAD_DIM}] (q_nope | q_rope), got {tuple(q.shape)}",
+    )
+    _require(batch >= 1, ValueError, f"the batch must hold at least one request, got {batch}")
+    tokens, heads = q.shape[0], q.shape[1]
+    _require(
+        tokens % batch == 0 and tokens > 0,
+        ValueError,
+        f"q has {tokens} rows, not a positive multiple of the batch size {batch} (expected bs*N rows)",
+    )
+    width = tokens // batch
+    _require(heads >= 1, ValueError, "q has no heads")
+    _require(kv_buffer.is_cuda and kv_buffer.device == q.device, ValueError, "kv_buffer must be on q's device")
+    _require(kv_buffer.dtype == torch.bfloat16, TypeError, f"kv_buffer must be bfloat16, got {kv_buffer.dtype}")
+    kv2 = kv_buffer.reshape(kv_buffer.shape[0], -1) if kv_buffer.dim() == 3 and kv_buffer.shape[1] == 1 else kv_buffer
+    _require(
+        kv2.dim() == 2 and kv2.shape[1] == QK_HEAD_DIM and kv2.stride(1) == 1,
+        ValueError,
+        f"kv_buffer must be [slots, {QK_HEAD_DIM}] or [slots, 1, {QK_HEAD_DIM}] with contiguous rows, got "
+        f"shape {tuple(kv_buffer.shape)} strides {kv_buffer.stride()}",
+    )
+    _require(
+        kv2.stride(0) % 8 == 0 and kv2.data_ptr() % 16 == 0,
+        ValueError,
+        "kv_buffer rows must start on 16-byte boundaries (row stride a multiple of 8 elements)",
+    )
+    _require(
+        tree_slots.is_cuda and tree_slots.dim() == 1 and tree_slots.shape[0] == tokens,
+        ValueError,
+        f"tree_slots must be a 1-D CUDA tensor of bs*N = {tokens} slots, got {tuple(tree_slots.shape)}",
+    )
+    _require(
+        tree_slots.dtype in (torch.int32, torch.int64),
+        TypeError,
+        f"tree_slots must be int32 or int64, got {tree_slots.dtype}",
+    )
+    words = (width + 31) // 32
+    _require(
+        ancestor_bits.is_cuda and tuple(ancestor_bits.shape) == (batch, width, words),
+        ValueError,
+        f"ancestor_bits must be [bs, N, ceil(N/32)] = {(batch, width, words)} on the GPU, got "
+        f"{tuple(ancestor_bits.shape)}",
+    )
+    _require(
+        ancestor_bits.dtype in (torch.int32, torch.uint32),
+        TypeError,
+        f"ancestor_bits must be uint32 (or int32 with the same bits), got {ancestor_bits.dtype}",
+    )
+    _require(
+        isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0,
+        ValueError,
+        f"sm_scale must be a finite float > 0, got {sm_scale!r}",
+    )
+    return tokens, heads, width, words, kv2
+
+
+def _prepare_out(out, lse, tokens, heads, device):
+    if out is None:
+        out = torch.empty((tokens, heads, KV_LORA_RANK), dtype=torch.bfloat16, device=device)
+    _require(
+        out.dtype == torch.bfloat16 and tuple(out.shape) == (tokens, heads, KV_LORA_RANK) and out.is_contiguous(),
+        ValueError,
+        f"out must be a contiguous bf16 [{tokens}, {heads}, {KV_LORA_RANK}] tensor, got {out.dtype} "
+        f"{tuple(out.shape)}",
+    )
+    if lse is None:
+        lse = torch.empty((tokens, heads), dtype=torch.float32, device=device)
+    _require(
+        lse.dtype == torch.float32 and tuple(lse.shape) == (tokens, heads) and lse.is_contiguous(),
+        ValueError,
+        f"lse must be a contiguous float32 [{tokens}, {heads}] tensor, got {lse.dtype} {tuple(lse.shape)}",
+    )
+    return out, lse
+
+
+def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_scale, out, lse, num_splits,
+            mean_prefix, width, heads, words):
+    import numpy as np
+
+    batch = kv_start.shape[0]
+    rows = q.shape[0] * heads
+    rows_per_request = width * heads
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, rows_per_request, mean_prefix + width, _num_sms(q.device.index or 0))
+    _require(
+        isinstance(num_splits, int) and 1 <= num_splits <= 4096,
+        ValueError,
+        f"num_splits must be an int in [1, 4096], got {num_splits!r}",
+    )
+    q = q.contiguous()
+    tree_slots = tree_slots.to(torch.int64)
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, rows, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_splits, rows, 2), dtype=torch.float32, device=q.device)
+        part_o_ptr, part_ml_ptr = part_o.data_ptr(), part_ml.data_ptr()
+    else:
+        part_o_ptr = part_ml_ptr = 0
+    fns = _kernels()
+    fn = fns["mla_tree_verify_i32" if kv_indices.dtype == torch.int32 else "mla_tree_verify_i64"]
+    grid = (math.ceil(rows_per_request / _ROW_TILE), num_splits, batch)
+    # Raw device pointers (np.uint64) instead of CuPy arrays: CuPy has no bfloat16 dtype, and the kernel
+    # only needs addresses. Every tensor referenced here stays alive in this frame until the launch is queued.
+    ptr = np.uint64
+    args = (
+        ptr(q.data_ptr()), ptr(kv2.data_ptr()), np.int64(kv2.stride(0)),
+        ptr(kv_start.data_ptr()), ptr(kv_end.data_ptr()), ptr(kv_indices.data_ptr()),
+        ptr(tree_slots.data_ptr()), ptr(ancestor_bits.data_ptr()),
+        np.int32(width), np.int32(heads), np.int32(words), np.int32(num_splits),
+        np.float32(sm_scale * math.log2(math.e)),
+        ptr(out.data_ptr()), ptr(lse.data_ptr()), ptr(part_o_ptr), ptr(part_ml_ptr), np.int64(rows),
+    )
+    with runtime.current_stream():
+        fn(grid, (_THREADS,), args, shared_mem=_SMEM_BYTES)
+        if num_splits > 1:
+            fns["merge"](
+                (rows,), (128,),
+                (ptr(part_o_ptr), ptr(part_ml_ptr), np.int32(num_splits), np.int64(rows),
+                 ptr(out.data_ptr()), ptr(lse.data_ptr())),
+            )
+    return out, lse
+
+
+def mla_tree_verify(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bits, sm_scale, *, out=None,
+                    lse=None, num_splits=None):
+    """Tree-verify absorbed-MLA attention on the GPU (bf16 tensor cores, fp32 softmax).
+
+    Args:
+        q: ``[bs*N, H, 576]`` bf16 CUDA, ``q_nope | q_rope`` per (node, head), request-major.
+        kv_buffer: ``[slots, 576]`` or ``[slots, 1, 576]`` bf16 CUDA, one layer of SGLang's MLA pool.
+        kv_indptr: ``[bs+1]`` int32/int64 CUDA, CSR offsets into ``kv_indices`` (prefix keys only).
+        kv_indices: ``[>= kv_indptr[-1]]`` int64 (or int32) CUDA, prefix token slots.
+        tree_slots: ``[bs*N]`` int32/int64 CUDA, slot of tree node j of request b at ``b*N + j``
+            (SGLang's ``out_cache_loc`` during TARGET_VERIFY).
+        ancestor_bits: ``[bs, N, ceil(N/32)]`` uint32 (or int32) CUDA ancestor-or-self rows.
+        sm_scale: softmax scale (float > 0).
+        out: optional ``[bs*N, H, 512]`` bf16 output buffer (written fully).
+        lse: optional ``[bs*N, H]`` float32 LSE buffer (natural log).
+        num_splits: split-K factor over the keys; default from ``choose_num_splits``.
+
+    Returns:
+        ``(out [bs*N, H, 512] bf16, lse [bs*N, H] float32)``.
+    """
+    _require(
+        isinstance(kv_indptr, torch.Tensor) and kv_indptr.is_cuda and kv_indptr.dim() == 1,
+        ValueError,
+        "kv_indptr must be a 1-D CUDA tensor of bs+1 offsets",
+    )
+    batch = kv_indptr.shape[0] - 1
+    tokens, heads, width, words, kv2 = _check_common(q, kv_buffer, tree_slots, ancestor_bits, sm_scale, batch)
+    _require(
+        kv_indices.is_cuda and kv_indices.dim() == 1 and kv_indices.dtype in (torch.int32, torch.int64),
+        TypeError,
+        f"kv_indices must be a 1-D int32/int64 CUDA tensor, got {kv_indices.dtype} {tuple(kv_indices.shape)}",
+    )
+    out, lse = _prepare_out(out, lse, tokens, heads, q.device)
+    indptr = kv_indptr.to(torch.int64)
+    # kv_indices' length is host-known (no sync); SGLang sizes it to the batch's prefix total.
+    mean_prefix = kv_indices.shape[0] / batch
+    return _launch(q, kv2, indptr[:-1], indptr[1:], kv_indices.contiguous(), tree_slots, ancestor_bits, sm_scale,
+                   out, lse, num_splits, mean_prefix, width, heads, words)
+
+
+def mla_tree_verify_paged(q, kv_buffer, req_to_token, req_pool_indices, prefix_lens, tree_slots, ancestor_bits,
+                          sm_scale, *, out=None, lse=None, num_splits=None, max_prefix_len=None):
+    """``mla_tree_verify`` with the prefix addressed through ``req_to_token`` rows (the fa3 backend's view).
+
+    Args:
+        req_to_token: ``[pool_rows, max_context]`` int32 CUDA token-slot table (contiguous rows).
+        req_pool_indices: ``[bs]`` int CUDA, the table row of each request.
+        prefix_lens: ``[bs]`` int CUDA, committed prefix length P of each request (the tree is not in it).
+        max_prefix_len: optional host-side bound on P, only used to pick the split-K factor.
+        Other arguments and the result: as ``mla_tree_verify``.
+    """
+    batch = req_pool_indices.shape[0]
+    tokens, heads, width, words, kv2 = _check_common(q, kv_buffer, tree_slots, ancestor_bits, sm_scale, batch)
+    _require(
+        req_to_token.is_cuda and req_to_token.dim() == 2 and req_to_token.stride(1) == 1
+        and req_to_token.dtype in (torch.int32, torch.int64),
+        TypeError,
+        f"req_to_token must be a 2-D int32/int64 CUDA table with contiguous rows, got {req_to_token.dtype} "
+        f"{tuple(req_to_token.shape)}",
+    )
+    _require(
+        prefix_lens.shape == (batch,),
+        ValueError,
+        f"prefix_lens must be [bs] = [{batch}], got {tuple(prefix_lens.shape)}",
+    )
+    out, lse = _prepare_out(out, lse, tokens, heads, q.device)
+    kv_start = req_pool_indices.to(torch.int64) * req_to_token.stride(0)
+    kv_end = kv_start + prefix_lens.to(torch.int64)
+    mean_prefix = req_to_token.shape[1] if max_prefix_len is None else max_prefix_len
+    return _launch(q, kv2, kv_start, kv_end, req_to_token, tree_slots, ancestor_bits, sm_scale, out, lse,
+                   num_splits, mean_prefix, width, heads, words)
+
+
+def mla_tree_verify_reference(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bits, sm_scale):
+    """float64 torch twin of ``mla_tree_verify`` (same arguments; runs on any device, syncs freely).
+
+    Returns:
+        ``(out [bs*N, H, 512] float64, lse [bs*N, H] float64)``.
+    """
+    batch = kv_indptr.shape[0] - 1
+    tokens, heads, _ = q.shape
+    width = tokens // batch
+    kv = kv_buffer.reshape(kv_buffer.shape[0], QK_HEAD_DIM)
+    indptr = kv_indptr.to(torch.int64).tolist()
+    bits = ancestor_bits.to(torch.int64) & 0xFFFFFFFF
+    cols = torch.arange(width, device=q.device)
+    out = torch.empty((tokens, heads, KV_LORA_RANK), dtype=torch.float64, device=q.device)
+    lse = torch.empty((tokens, heads), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        slots = torch.cat([kv_indices[indptr[b]: indptr[b + 1]].to(torch.int64),
+                           tree_slots[b * width:(b + 1) * width].to(torch.int64)])
+        keys = kv[slots].to(torch.float64)                      # [L, 576]
+        qb = q[b * width:(b + 1) * width].to(torch.float64)     # [N, H, 576]
+        scores = torch.einsum("nhd,ld->nhl", qb, keys) * sm_scale
+        tree_visible = ((bits[b][:, cols // 32] >> (cols % 32)) & 1).bool()  # [N(query), N(key)]
+        visible = torch.cat([torch.ones((width, slots.shape[0] - width), dtype=torch.bool, device=q.device),
+                             tree_visible], dim=1)
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse[..., None])
+        out[b * width:(b + 1) * width] = torch.einsum("nhl,lv->nhv", probs, keys[:, :KV_LORA_RANK])
+        lse[b * width:(b + 1) * width] = row_lse
+    return out, lse
+
+
+def ancestor_bits_from_parents(parents):
+    """``[bs, N, ceil(N/32)]`` uint32 ancestor-or-self rows from ``[bs, N]`` parent indices (-1: none).
+
+    The layout of ``sglang_kdtree.reference.verify_inputs().ancestor_bits`` without its dense FULL_MASK
+    (which is ``sum(seq_lens) * N`` bytes: too large for benchmark-sized contexts).
+    """
+    import numpy as np
+
+    parents = np.asarray(parents, dtype=np.int64)
+    batch, width = parents.shape
+    anc = np.zeros((batch, width, width), dtype=bool)
+    rows = np.arange(batch)
+    for i in range(width):
+        anc[:, i, i] = True
+        p = parents[:, i]
+        has = p >= 0
+        anc[rows[has], i] |= anc[rows[has], p[has]]
+    bits = np.zeros((batch, width, (width + 31) // 32), dtype=np.uint32)
+    for j in range(width):
+        bits[:, :, j // 32] |= anc[:, :, j].astype(np.uint32) << np.uint32(j % 32)
+    return bits
+
+
+def synthetic_inputs(batch, width, heads, prefix_lens, *, seed=0, device="cuda", chain=False, num_nodes=None,
+                     q_std=1.0, spare_slots=16):
+    """Random inputs for tests and benchmarks: a shuffled MLA pool, CSR prefix indices, random trees.
+
+    Returns a dict with ``q, kv_buffer, kv_indptr (int32), kv_indices (int64), tree_slots (int64),
+    ancestor_bits (uint32), parents (numpy), sm_scale`` and ``spare`` (unused pool slots, for poisoning).
+    Trees: node i > 0 gets a uniformly random parent < i (``chain``: parent i-1); rows past ``num_nodes[b]``
+    are padding (parent -1: they see the prefix and themselves only, as in ``reference.verify_inputs``).
+    """
+    import numpy as np
+
+    prefix_lens = [int(p) for p in prefix_lens]
+    assert len(prefix_lens) == batch
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total_prefix = sum(prefix_lens)
+    pool = total_prefix + batch * width + spare_slots
+    perm = torch.randperm(pool, generator=gen, device=device)
+    kv_buffer = torch.randn((pool, QK_HEAD_DIM), generator=gen, device=device).to(torch.bfloat16)
+    q = (torch.randn((batch * width, heads, QK_HEAD_DIM), generator=gen, device=device) * q_std).to(torch.bfloat16)
+    indptr = np.zeros(batch + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum(prefix_lens)
+    parents = np.full((batch, width), -1, dtype=np.int64)
+    for b in range(batch):
+        n = width - 1 if num_nodes is None else int(num_nodes[b])
+        for i in range(1, n + 1):
+            parents[b, i] = i - 1 if chain else int(rng.integers(0, i))
+    return {
+        "q": q,
+        "kv_buffer": kv_buffer,
+        "kv_indptr": torch.from_numpy(indptr.astype(np.int32)).to(device),
+        "kv_indices": perm[:total_prefix].to(torch.int64),
+        "tree_slots": perm[total_prefix: total_prefix + batch * width].to(torch.int64),
+        "ancestor_bits": torch.from_numpy(ancestor_bits_from_parents(parents)).to(device),
+        "parents": parents,
+        "sm_scale": 1.0 / math.sqrt(192.0),  # DeepSeek-V3's (qk_nope 128 + rope 64) ** -0.5
+        "spare": perm[total_prefix + batch * width:],
+    }

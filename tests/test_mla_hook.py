@@ -1,0 +1,217 @@
+"""CPU tests of patches/mla_tree_verify.py: it wraps symbols that exist in the installed SGLang with the
+argument order it assumes, and it routes only KDTREE TARGET_VERIFY batches of absorbed MLA to our kernel."""
+
+import inspect
+import pkgutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_kdtree.patches import mla_tree_verify as hook
+
+
+class _Mode:
+    def __init__(self, verify: bool):
+        self.verify = verify
+
+    def is_target_verify(self):
+        return self.verify
+
+    def is_context_parallel_extend(self):  # read by SGLang's is_cp_active (fa3 path)
+        return False
+
+
+class _Bits:
+    """Stands in for the CUDA ancestor-bits tensor (the hook only checks that it is on the GPU)."""
+
+    is_cuda = True
+
+
+def _batch(algo="KDTREE", verify=True, bits=True):
+    return SimpleNamespace(
+        forward_mode=_Mode(verify),
+        spec_algorithm=SimpleNamespace(name=algo),
+        spec_info=SimpleNamespace(ancestor_bits=_Bits() if bits else None),
+        out_cache_loc=torch.arange(6),
+        req_pool_indices=torch.zeros(2, dtype=torch.int64),
+        seq_lens=torch.tensor([5, 7]),
+    )
+
+
+def _layer(**over):
+    fields = dict(qk_head_dim=576, head_dim=576, v_head_dim=512, tp_q_head_num=4, tp_k_head_num=1, k_scale=None,
+                  logit_cap=0.0, sliding_window_size=-1, scaling=0.1, layer_id=0)
+    fields.update(over)
+    return SimpleNamespace(**fields)
+
+
+class _Pool:
+    def __init__(self):
+        self.writes = []
+
+    def get_key_buffer(self, layer_id):
+        return "kv-buffer"
+
+    def set_mla_kv_buffer(self, layer, loc, k, k_rope):
+        self.writes.append(("mla", k, k_rope))
+
+
+def _backend(**over):
+    pool = _Pool()
+    fields = dict(use_mla=True, dcp_size=1, page_size=1, fa_skip_kv_cache=False, token_to_kv_pool=pool,
+                  req_to_token="req-to-token",
+                  forward_metadata=SimpleNamespace(kv_indptr="indptr", kv_indices="indices", swa_out_cache_loc=None))
+    fields.update(over)
+    be = SimpleNamespace(**fields)
+    be.kv_writes = []
+    be._set_kv_buffer = lambda fb, layer, loc, k, v: be.kv_writes.append((loc, k, v))
+    return be
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Replace the kernel launchers and KVWriteLoc with recorders (no GPU here)."""
+    import sglang.srt.mem_cache.memory_pool as memory_pool
+
+    from sglang_kdtree.gpu import mla_attention
+
+    log = []
+
+    def fake_csr(q, kv, indptr, indices, tree_slots, bits, scale):
+        log.append(("csr", q.shape, kv, indptr, indices, bits, scale))
+        return torch.zeros(q.shape[0], q.shape[1], 512), None
+
+    def fake_paged(q, kv, table, pool_idx, prefix, tree_slots, bits, scale):
+        log.append(("paged", q.shape, kv, table, bits, scale, q.clone()))
+        return torch.zeros(q.shape[0], q.shape[1], 512), None
+
+    monkeypatch.setattr(mla_attention, "mla_tree_verify", fake_csr)
+    monkeypatch.setattr(mla_attention, "mla_tree_verify_paged", fake_paged)
+    fake_loc = SimpleNamespace(for_batch=lambda fb, swa_loc=None: "loc", for_layer=lambda fb, layer: "loc")
+    monkeypatch.setattr(memory_pool, "KVWriteLoc", fake_loc)
+    return log
+
+
+def _original(log):
+    def original(*args, **kwargs):
+        log.append(("original",))
+        return "original-output"
+
+    return original
+
+
+def _signature_params(target):
+    """Parameter names of the target in the installed SGLang. The fa3 backend module needs libcuda to import
+    (sgl_kernel), so on a CPU-only machine its installed source is read with ``ast`` instead."""
+    import ast
+    import importlib.util
+
+    try:
+        return list(inspect.signature(inspect.unwrap(pkgutil.resolve_name(target))).parameters)
+    except (ImportError, AttributeError):
+        module, cls, method = target.rsplit(".", 2)
+        origin = importlib.util.find_spec(module).origin
+        tree = ast.parse(open(origin).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == method:
+                        return [a.arg for a in item.args.args]
+        raise AssertionError(f"{target} is not defined in the installed SGLang ({origin})")
+
+
+@pytest.mark.parametrize("target", hook.TARGETS)
+def test_targets_exist_with_the_assumed_arguments(target):
+    params = _signature_params(target)
+    assert params[:7] == ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"]
+    if target == hook.FA3_TARGET:
+        assert params[7:9] == ["q_rope", "k_rope"]
+
+
+def test_register_adds_around_hooks_for_both_backends(monkeypatch):
+    from collections import defaultdict
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    hook.register()
+    for target, fn in ((hook.TRITON_TARGET, hook.triton_forward_extend), (hook.FA3_TARGET, hook.fa3_forward_extend)):
+        assert [(t, h) for t, h, _ in HookRegistry._hooks[target]] == [(HookType.AROUND, fn)]
+
+
+def test_triton_routes_kdtree_verify_to_kernel(calls):
+    be, layer = _backend(), _layer()
+    q = torch.zeros(6, 4 * 576)
+    out = hook.triton_forward_extend(_original(calls), be, q, "k", "v", layer, _batch())
+    assert calls[0][0] == "csr"
+    assert calls[0][1] == (6, 4, 576)
+    assert calls[0][2:6] == ("kv-buffer", "indptr", "indices", calls[0][5])
+    assert isinstance(calls[0][5], _Bits) and calls[0][6] == 0.1
+    assert be.kv_writes == [("loc", "k", "v")]  # the tree rows were written before the kernel read them
+    assert out.shape == (6, 4 * 512)
+
+
+@pytest.mark.parametrize(
+    "batch_kw, layer_kw, backend_kw",
+    [
+        (dict(algo="EAGLE"), {}, {}),
+        (dict(algo="DFLASH"), {}, {}),
+        (dict(verify=False), {}, {}),
+        (dict(bits=False), {}, {}),
+        ({}, dict(k_scale=0.5), {}),
+        ({}, dict(qk_head_dim=128, head_dim=128, v_head_dim=128), {}),
+        ({}, dict(sliding_window_size=128), {}),
+        ({}, {}, dict(use_mla=False)),
+        ({}, {}, dict(dcp_size=2)),
+    ],
+)
+def test_triton_falls_back_for_everything_else(calls, batch_kw, layer_kw, backend_kw):
+    be = _backend(**backend_kw)
+    out = hook.triton_forward_extend(_original(calls), be, torch.zeros(6, 4 * 576), "k", "v", _layer(**layer_kw),
+                                     _batch(**batch_kw))
+    assert out == "original-output" and calls == [("original",)] and be.kv_writes == []
+
+
+def test_triton_falls_back_with_sinks(calls):
+    out = hook.triton_forward_extend(_original(calls), _backend(), torch.zeros(6, 4 * 576), "k", "v", _layer(),
+                                     _batch(), True, sinks=torch.zeros(4))
+    assert out == "original-output"
+
+
+def test_fa3_routes_kdtree_verify_with_split_query(calls):
+    be = _backend()
+    q_nope = torch.randn(6, 4 * 512)
+    q_rope = torch.randn(6, 4 * 64)
+    out = hook.fa3_forward_extend(_original(calls), be, q_nope, "k", "v", _layer(), _batch(), True, q_rope, "k_rope")
+    kind, shape, kv, table, bits, scale, q_full = calls[0]
+    assert (kind, shape, kv, table, scale) == ("paged", (6, 4, 576), "kv-buffer", "req-to-token", 0.1)
+    assert torch.equal(q_full[..., :512], q_nope.view(6, 4, 512))
+    assert torch.equal(q_full[..., 512:], q_rope.view(6, 4, 64))
+    assert be.token_to_kv_pool.writes == [("mla", "k", "k_rope")]
+    assert out.shape == (6, 4 * 512)
+
+
+@pytest.mark.parametrize(
+    "batch_kw, backend_kw, extra",
+    [
+        (dict(algo="EAGLE"), {}, {}),
+        (dict(verify=False), {}, {}),
+        (dict(bits=False), {}, {}),
+        ({}, dict(page_size=16), {}),
+        ({}, dict(use_mla=False), {}),
+        ({}, {}, dict(return_lse=True)),
+    ],
+)
+def test_fa3_falls_back_for_everything_else(calls, batch_kw, backend_kw, extra):
+    be = _backend(**backend_kw)
+    out = hook.fa3_forward_extend(_original(calls), be, torch.zeros(6, 4 * 512), "k", "v", _layer(),
+                                  _batch(**batch_kw), True, torch.zeros(6, 4 * 64), "k_rope", **extra)
+    assert out == "original-output" and calls == [("original",)] and be.token_to_kv_pool.writes == []
+
+
+def test_is_kdtree_verify_only_for_kdtree_target_verify():
+    assert hook.is_kdtree_verify(_batch())
+    assert not hook.is_kdtree_verify(_batch(algo="EAGLE"))
+    assert not hook.is_kdtree_verify(_batch(verify=False))
+    assert not hook.is_kdtree_verify(SimpleNamespace(forward_mode=_Mode(True), spec_algorithm=None))
