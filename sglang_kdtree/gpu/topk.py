@@ -1,0 +1,310 @@
+"""GPU per-depth vocabulary top-K + logsumexp (``kernels/topk_logsumexp.cu``); twins of
+``reference.topk_logprobs``, ``reference.shard_topk_partials`` and ``reference.merge_topk_partials``.
+
+All functions take and return torch CUDA tensors, launch on torch's current stream and never sync the host.
+Shape, dtype, device and range errors raise at the boundary (``TypeError`` / ``ValueError``, the reference's
+wording). Value errors that need the data (NaN / +inf logits, a row entirely -inf) set bits in an int32
+``error_flag`` tensor (``TOPK_ERRORS``) that the caller reads at its next natural sync
+(``raise_on_flag``); ``check=True`` syncs and raises at once (tests, debugging).
+
+Workspaces come from a ``TopKWorkspace`` sized for the largest rows / K / vocabulary, so a call allocates
+nothing when one is passed (CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_kdtree.gpu import runtime
+
+__all__ = [
+    "TOPK_ERRORS",
+    "TopKWorkspace",
+    "topk_logprobs",
+    "shard_topk_partials",
+    "merge_topk_partials",
+    "new_error_flag",
+    "raise_on_flag",
+]
+
+CHUNK_COLS = 8192  # columns per block of topk_chunk_* (CHUNK_THREADS * CHUNK_ELEMS in the .cu)
+CHUNK_THREADS = 512
+MERGE_THREADS = 1024
+MAX_K = 1024
+MAX_SHARD_CANDIDATES = 8192  # S * Ks sorted in shared memory by topk_merge_shards (64 KiB)
+_KERNEL = "topk_logsumexp.cu"
+
+#: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs)
+TOPK_ERRORS = {
+    1: "logits contains NaN; the drafter produced invalid logits",
+    2: "logits contains +inf; the drafter produced invalid logits",
+    4: "a logits row is entirely -inf: no token is possible at that depth",
+    8: "logprobs contains NaN",
+    16: "logprobs contains +inf; log-probabilities must be finite or -inf",
+    32: "a logprobs row is not sorted in descending order (rank 0 must be the most likely)",
+    64: "token_ids contains a negative id",
+    128: "malformed tree: num_nodes outside [0, N-1], a parent outside [0, i) or a chain deeper than 31",
+}
+
+
+def new_error_flag(device):
+    """A zeroed ``int32 [1]`` CUDA tensor for the kernels' error bits."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def raise_on_flag(error_flag, what: str = "tree construction") -> None:
+    """Sync, read ``error_flag`` and raise ``ValueError`` naming every problem it records."""
+    bits = int(error_flag.item())
+    if bits:
+        msgs = [m for bit, m in TOPK_ERRORS.items() if bits & bit]
+        raise ValueError(f"{what}: " + "; ".join(msgs) + f" (device error bits {bits:#x})")
+
+
+def _ptr(t) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _require_cuda(name, t):
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch CUDA tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}; move it to the GPU (e.g. {name}.cuda())")
+
+
+def _check_k(k) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > MAX_K:
+        raise ValueError(f"k = {k} exceeds the GPU top-K limit {MAX_K} (the largest node budget)")
+    return k
+
+
+def _check_logits(name, logits):
+    import torch
+
+    _require_cuda(name, logits)
+    if logits.dtype not in (torch.bfloat16, torch.float32):
+        if logits.dtype.is_floating_point:
+            raise TypeError(f"{name} must be bfloat16 or float32, got {logits.dtype}; cast with .float()")
+        raise TypeError(f"{name} must be a floating-point array, got dtype {logits.dtype}")
+    if logits.ndim < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty vocabulary axis, got shape {tuple(logits.shape)}")
+    if logits.shape[-1] >= 2**31:
+        raise ValueError(f"{name} vocabulary {logits.shape[-1]} does not fit int32 column ids")
+    if logits.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along the vocabulary axis; call .contiguous()")
+
+
+class TopKWorkspace:
+    """Scratch for ``topk_logprobs`` / ``shard_topk_partials``: chunk candidates and logsumexp partials for
+    up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside graph capture).
+    """
+
+    def __init__(self, max_rows: int, vocab: int, max_k: int, device):
+        import torch
+
+        self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_K)
+        self.chunks = -(-self.vocab // CHUNK_COLS)
+        stride = min(self.max_k, CHUNK_COLS)
+        n = self.max_rows * self.chunks * stride
+        self.cand_keys = torch.empty(n, dtype=torch.int32, device=device)
+        self.cand_cols = torch.empty(n, dtype=torch.int32, device=device)
+        self.chunk_max = torch.empty(self.max_rows * self.chunks, dtype=torch.float32, device=device)
+        self.chunk_sum = torch.empty(self.max_rows * self.chunks, dtype=torch.float64, device=device)
+
+    def fits(self, rows: int, vocab: int, k: int) -> bool:
+        return rows <= self.max_rows and -(-vocab // CHUNK_COLS) <= self.chunks and min(k, CHUNK_COLS) <= self.max_k
+
+
+def _chunk_kernel(logits):
+    import torch
+
+    mod = runtime.load_module(_KERNEL)
+    vec = 8 if logits.dtype == torch.bfloat16 else 4
+    aligned = (
+        logits.data_ptr() % 16 == 0
+        and logits.shape[-1] % vec == 0
+        and (logits.ndim == 1 or logits.stride(-2) % vec == 0)
+    )
+    name = ("topk_chunk_bf16_v" if logits.dtype == torch.bfloat16 else "topk_chunk_f32_v") + (
+        str(vec) if aligned else "1"
+    )
+    return mod.get_function(name)
+
+
+def _rows_view(logits):
+    """[..., V] -> a [R, V] view with a uniform row stride (copies only when the layout has none)."""
+    v = logits.shape[-1]
+    flat = logits.reshape(-1, v)
+    if flat.shape[0] > 1 and flat.stride(0) < v:
+        flat = flat.contiguous()
+    return flat
+
+
+def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse, error_flag):
+    import torch
+
+    flat = _rows_view(logits)
+    rows, v = flat.shape
+    kout = min(k, v)
+    dev = logits.device
+    if workspace is None:
+        workspace = TopKWorkspace(max(rows, 1), v, k, dev)
+    elif not workspace.fits(rows, v, k):
+        raise ValueError(
+            f"workspace (rows {workspace.max_rows}, vocab {workspace.vocab}, max_k {workspace.max_k}) is too small "
+            f"for rows {rows}, vocab {v}, k {k}; build a larger TopKWorkspace"
+        )
+    if out_vals is None:
+        out_vals = torch.empty(rows * kout, dtype=torch.float32, device=dev)
+    if out_ids is None:
+        out_ids = torch.empty(rows * kout, dtype=torch.int64, device=dev)
+    if mode == 1 and out_lse is None:
+        out_lse = torch.empty(rows, dtype=torch.float64, device=dev)
+    if error_flag is None:
+        error_flag = new_error_flag(dev)
+    if rows == 0:
+        return out_vals, out_ids, out_lse, error_flag
+    chunks = -(-v // CHUNK_COLS)
+    stride = min(k, CHUNK_COLS)
+    row_stride = flat.stride(0) if rows > 1 else v
+    mod = runtime.load_module(_KERNEL)
+    with runtime.current_stream():
+        _chunk_kernel(flat)(
+            (chunks, rows),
+            (CHUNK_THREADS,),
+            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(stride), _ptr(workspace.cand_keys),
+             _ptr(workspace.cand_cols), _ptr(workspace.chunk_max), _ptr(workspace.chunk_sum), _ptr(error_flag)),
+        )
+        common = (_ptr(workspace.cand_keys), _ptr(workspace.cand_cols), np.int32(chunks), np.int32(stride),
+                  np.int32(v), np.int32(k), _ptr(workspace.chunk_max), _ptr(workspace.chunk_sum), _ptr(out_vals),
+                  _ptr(out_ids))
+        if mode == 0:
+            mod.get_function("topk_merge_logprobs")((rows,), (MERGE_THREADS,), common + (_ptr(error_flag),))
+        else:
+            mod.get_function("topk_merge_partials")(
+                (rows,), (MERGE_THREADS,), common + (_ptr(out_lse), np.int64(id_offset), _ptr(error_flag))
+            )
+    return out_vals, out_ids, out_lse, error_flag
+
+
+def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out=None, error_flag=None,
+                  check: bool = False):
+    """Per-row top-``K`` log-probabilities and token ids, ``K = min(k, V)``; twin of
+    ``reference.topk_logprobs``.
+
+    Args:
+        logits: ``[..., V]`` bf16 or fp32 CUDA tensor (``[bs, L, V]`` draft logits), contiguous along V.
+        k: requested K (the node budget), ``1 <= k <= 1024``.
+        workspace: preallocated ``TopKWorkspace`` (else one is allocated).
+        out: optional ``(logprobs float32, ids int64)`` flat buffers of at least ``rows*K`` elements.
+        error_flag: ``int32 [1]`` CUDA tensor receiving error bits (NaN 1, +inf 2, all -inf row 4).
+        check: sync and raise ``ValueError`` if the flag is set (the reference's error), for tests/debug.
+
+    Returns:
+        ``(logprobs [..., K] float32, ids [..., K] int64)`` on the logits' device, descending by logit,
+        equal logits by ascending id; ``logprob = float32(float64(logit) - lse)`` with the float64 lse.
+    """
+    k = _check_k(k)
+    _check_logits("logits", logits)
+    lead, v = tuple(logits.shape[:-1]), logits.shape[-1]
+    kout = min(k, v)
+    rows = int(np.prod(lead)) if lead else 1
+    vals = ids = None
+    if out is not None:
+        vals, ids = out[0].reshape(-1)[: rows * kout], out[1].reshape(-1)[: rows * kout]
+    vals, ids, _, flag = _run_topk(logits, k, 0, 0, workspace, vals, ids, None, error_flag)
+    if check:
+        raise_on_flag(flag, "topk_logprobs")
+    return vals.view(*lead, kout), ids.view(*lead, kout)
+
+
+def shard_topk_partials(logits_shard, k: int, id_offset: int, *, workspace: TopKWorkspace | None = None,
+                        error_flag=None, check: bool = False):
+    """Tensor-parallel first half; twin of ``reference.shard_topk_partials``.
+
+    Args:
+        logits_shard: ``[..., V_shard]`` bf16/fp32 CUDA logits of this rank's vocabulary slice.
+        k: requested K; the shard returns ``Ks = min(k, V_shard)`` candidates.
+        id_offset: global token id of the shard's column 0 (``id_offset + V_shard < 2**32``).
+
+    Returns:
+        ``(top_logits [..., Ks] float32, ids [..., Ks] int64 global, lse [...] float64)``, sorted by
+        (logit desc, id asc); ``lse`` is ``-inf`` for a row entirely ``-inf`` in this shard (legal).
+    """
+    k = _check_k(k)
+    _check_logits("logits_shard", logits_shard)
+    if isinstance(id_offset, bool) or not isinstance(id_offset, (int, np.integer)) or id_offset < 0:
+        raise ValueError(f"id_offset must be an int >= 0, got {id_offset!r}")
+    if int(id_offset) + logits_shard.shape[-1] > 2**32 - 1:
+        raise ValueError(f"id_offset {id_offset} + V_shard exceeds the 32-bit token id range")
+    lead, v = tuple(logits_shard.shape[:-1]), logits_shard.shape[-1]
+    kout = min(k, v)
+    vals, ids, lse, flag = _run_topk(logits_shard, k, int(id_offset), 1, workspace, None, None, None, error_flag)
+    if check:
+        raise_on_flag(flag, "shard_topk_partials")
+    return vals.view(*lead, kout), ids.view(*lead, kout), lse.view(lead)
+
+
+def merge_topk_partials(top_logits, ids, lse, k: int, *, error_flag=None, check: bool = False):
+    """Tensor-parallel second half; twin of ``reference.merge_topk_partials``.
+
+    Args:
+        top_logits: ``[S, ..., Ks]`` float32 CUDA, shard s's candidates in any order.
+        ids: ``[S, ..., Ks]`` int64 global token ids (``< 2**32``).
+        lse: ``[S, ...]`` float64 shard logsumexps.
+        k: requested K; the result has ``min(k, S*Ks)`` columns. ``S*Ks <= 8192``.
+
+    Returns:
+        ``(logprobs [..., K] float32, ids [..., K] int64)``: ids equal to the unsharded ``topk_logprobs``;
+        the global lse is combined from the shards' in float64. Flag bit 4: a row -inf in every shard.
+    """
+    import torch
+
+    k = _check_k(k)
+    for name, t in (("top_logits", top_logits), ("ids", ids), ("lse", lse)):
+        _require_cuda(name, t)
+    if top_logits.dtype != torch.float32 or ids.dtype != torch.int64 or lse.dtype != torch.float64:
+        raise TypeError(
+            f"expected top_logits float32, ids int64, lse float64; got {top_logits.dtype}, {ids.dtype}, {lse.dtype}"
+        )
+    if top_logits.shape != ids.shape or top_logits.shape[:-1] != lse.shape or top_logits.ndim < 2:
+        raise ValueError(
+            f"shape mismatch: top_logits {tuple(top_logits.shape)}, ids {tuple(ids.shape)}, lse {tuple(lse.shape)}; "
+            "expected [S, ..., Ks], [S, ..., Ks], [S, ...]"
+        )
+    s, ks = top_logits.shape[0], top_logits.shape[-1]
+    lead = tuple(top_logits.shape[1:-1])
+    rows = int(np.prod(lead)) if lead else 1
+    n = s * ks
+    if n > MAX_SHARD_CANDIDATES:
+        raise ValueError(f"S*Ks = {n} candidates per row exceeds {MAX_SHARD_CANDIDATES}; lower k or the shard count")
+    kout = min(k, n)
+    p = 1
+    while p < n:
+        p <<= 1
+    tv = top_logits.contiguous()
+    ti = ids.contiguous()
+    tl = lse.contiguous()
+    dev = top_logits.device
+    out_lp = torch.empty(rows * kout, dtype=torch.float32, device=dev)
+    out_ids = torch.empty(rows * kout, dtype=torch.int64, device=dev)
+    flag = new_error_flag(dev) if error_flag is None else error_flag
+    if rows:
+        fn = runtime.load_module(_KERNEL).get_function("topk_merge_shards")
+        fn.max_dynamic_shared_size_bytes = max(p * 8, 1)
+        with runtime.current_stream():
+            fn((rows,), (MERGE_THREADS,),
+               (_ptr(tv), _ptr(ti), _ptr(tl), np.int32(s), np.int32(rows), np.int32(ks), np.int32(k), np.int32(p),
+                _ptr(out_lp), _ptr(out_ids), _ptr(flag)),
+               shared_mem=p * 8)
+    if check:
+        raise_on_flag(flag, "merge_topk_partials")
+    return out_lp.view(*lead, kout), out_ids.view(*lead, kout)

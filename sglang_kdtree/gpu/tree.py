@@ -1,0 +1,234 @@
+"""GPU exact best-first DDTree (``kernels/best_first_tree.cu``); twin of ``reference.build_trees``, plus
+``TreeBuilder``, which owns every workspace and output buffer of the per-round path
+"draft logits -> top-K + lse -> tree -> verify inputs" for the largest batch and budget, so a round
+allocates nothing, never syncs the host and can be captured in a CUDA graph.
+
+Error reporting: value errors that need the data (NaN / +inf / unsorted log-probs, negative ids, bad
+logits) set bits of an ``int32 [1]`` flag tensor (``sglang_kdtree.gpu.topk.TOPK_ERRORS``); read it at the
+next natural sync with ``raise_on_flag`` or pass ``check=True`` to sync and raise at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu.topk import (
+    MAX_K,
+    TopKWorkspace,
+    _check_k,
+    _ptr,
+    _require_cuda,
+    new_error_flag,
+    raise_on_flag,
+    topk_logprobs,
+)
+
+__all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
+
+MAX_BUDGET = 1024
+MAX_DEPTH = 31
+_KERNEL = "best_first_tree.cu"
+_STATIC_SMEM = 25648  # static shared memory of build_trees_kernel (ptxas -v), for the dynamic-size opt-in
+_SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class GpuTreeBatch:
+    """``reference.TreeBatch`` on the GPU (torch CUDA tensors), padded to ``N = budget + 1`` rows.
+
+    Attributes:
+        tokens: ``[bs, N]`` int64; column 0 is the root token, padding rows hold 0.
+        depths: ``[bs, N]`` int64; 0 for the root and padding.
+        parents: ``[bs, N]`` int64; -1 for the root and padding.
+        num_nodes: ``[bs]`` int64 nodes per request besides the root.
+        ranks: ``[bs, N]`` int64 rank of each node within its depth's top-K (-1 root/padding).
+        scores: ``[bs, N]`` float64 path scores (0 root/padding), bit-identical to ``reference.build_tree``.
+    """
+
+    tokens: object
+    depths: object
+    parents: object
+    num_nodes: object
+    ranks: object
+    scores: object
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)):
+        raise TypeError(f"budget must be an int, got {type(budget).__name__} {budget!r}")
+    budget = int(budget)
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget = {budget} exceeds MAX_BUDGET {MAX_BUDGET}")
+    return budget
+
+
+def _alloc_tree(bs, width, device):
+    import torch
+
+    return GpuTreeBatch(
+        tokens=torch.empty((bs, width), dtype=torch.int64, device=device),
+        depths=torch.empty((bs, width), dtype=torch.int64, device=device),
+        parents=torch.empty((bs, width), dtype=torch.int64, device=device),
+        num_nodes=torch.empty(bs, dtype=torch.int64, device=device),
+        ranks=torch.empty((bs, width), dtype=torch.int64, device=device),
+        scores=torch.empty((bs, width), dtype=torch.float64, device=device),
+    )
+
+
+def _slice_tree(t: GpuTreeBatch, bs, width) -> GpuTreeBatch:
+    """Views of a preallocated [max_bs, max_width] batch as a contiguous [bs, width] batch."""
+
+    def v(x):
+        return x.view(-1)[: bs * width].view(bs, width)
+
+    return GpuTreeBatch(v(t.tokens), v(t.depths), v(t.parents), t.num_nodes[:bs], v(t.ranks), v(t.scores))
+
+
+def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBatch | None = None,
+                error_flag=None, check: bool = False) -> GpuTreeBatch:
+    """The exact best-first tree for every request, in one launch; twin of ``reference.build_trees``.
+
+    Args:
+        logprobs: ``[bs, L, K]`` float32 CUDA, each row sorted descending (``topk_logprobs``), L <= 31.
+        token_ids: ``[bs, L, K]`` int64 CUDA.
+        budget: node budget B (same for the batch), ``B <= 1024``; ``B <= 0`` or ``L == 0``: root only.
+        root_tokens: ``[bs]`` int64 CUDA, each request's bonus token (node 0).
+        out: a preallocated ``GpuTreeBatch`` whose buffers hold at least ``bs * (B+1)`` rows (written as
+            contiguous ``[bs, B+1]`` views); else one is allocated.
+        error_flag: ``int32 [1]`` CUDA flag (NaN 8, +inf 16, unsorted 32, negative id 64).
+        check: sync and raise the reference's ``ValueError`` if the flag is set.
+
+    Returns:
+        ``GpuTreeBatch`` of width ``N = max(B, 0) + 1``; nodes in pop order (score desc, then rank tuple).
+    """
+    import torch
+
+    budget = _check_budget(budget)
+    for name, t in (("logprobs", logprobs), ("token_ids", token_ids), ("root_tokens", root_tokens)):
+        _require_cuda(name, t)
+    if not logprobs.dtype.is_floating_point:
+        raise TypeError(f"logprobs must be a floating-point array, got dtype {logprobs.dtype}")
+    if logprobs.dtype != torch.float32:
+        raise TypeError(f"logprobs must be float32 (topk_logprobs' output), got {logprobs.dtype}; cast with .float()")
+    if token_ids.dtype != torch.int64:
+        raise TypeError(f"token_ids must be int64, got dtype {token_ids.dtype}")
+    if root_tokens.dtype != torch.int64:
+        raise TypeError(f"root_tokens must be an int64 array, got dtype {root_tokens.dtype}")
+    if logprobs.ndim != 3 or root_tokens.shape != logprobs.shape[:1] or token_ids.shape != logprobs.shape:
+        raise ValueError(
+            f"expected logprobs [bs, L, K], token_ids of the same shape and root_tokens [bs], got "
+            f"{tuple(logprobs.shape)}, {tuple(token_ids.shape)} and {tuple(root_tokens.shape)}"
+        )
+    bs, depth, k = logprobs.shape
+    if depth > MAX_DEPTH:
+        raise ValueError(f"L = {depth} draft depths exceed the GPU limit {MAX_DEPTH}")
+    if depth > 0 and k == 0:
+        raise ValueError(f"logprobs has L={depth} depths but K=0 candidates")
+    if k > MAX_K:
+        raise ValueError(f"K = {k} candidates per depth exceed {MAX_K}; take top-K with K <= budget")
+    width = max(budget, 0) + 1
+    dev = logprobs.device
+    if out is None:
+        out = _alloc_tree(bs, width, dev)
+    else:
+        if out.tokens.numel() < bs * width or out.num_nodes.numel() < bs:
+            raise ValueError(f"out holds {out.tokens.numel()} rows, fewer than bs*(budget+1) = {bs * width}")
+        out = _slice_tree(out, bs, width)
+    if error_flag is None:
+        error_flag = new_error_flag(dev)
+    if bs == 0:
+        return out
+    lp = logprobs.contiguous()
+    ids = token_ids.contiguous()
+    roots = root_tokens.contiguous()
+    ks = min(k, width) if k else 1  # ranks >= budget + 1 can never be pushed
+    smem = max(depth, 1) * ks * 4
+    fn = runtime.load_module(_KERNEL).get_function("build_trees_kernel")
+    if smem + _STATIC_SMEM > _SMEM_LIMIT:
+        raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
+    fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - _STATIC_SMEM
+    with runtime.current_stream():
+        fn((bs,), (32,),
+           (_ptr(lp), _ptr(ids), _ptr(roots), np.int32(depth), np.int32(k), np.int32(max(budget, 0)), np.int32(ks),
+            _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents), _ptr(out.ranks), _ptr(out.scores),
+            _ptr(out.num_nodes), _ptr(error_flag)),
+           shared_mem=smem)
+    if check:
+        raise_on_flag(error_flag, "build_trees")
+    return out
+
+
+class TreeBuilder:
+    """Owns the workspaces of one DDTree round for up to ``max_batch`` requests, budgets up to
+    ``max_budget``, ``depth`` draft depths and a ``vocab``-wide drafter, and a verify FULL_MASK buffer of
+    ``max_mask_bytes`` bytes. Every method launches on torch's current stream, allocates nothing and never
+    syncs, so a round can be captured in a ``torch.cuda.CUDAGraph`` (warm up once eagerly first: the first
+    call compiles the kernels).
+
+    ``error_flag`` (``int32 [1]``) accumulates the error bits of every launch (``TOPK_ERRORS``); call
+    ``check()`` at a natural sync point (raises ``ValueError``) and ``clear_errors()`` to reset.
+    """
+
+    def __init__(self, max_batch: int, max_budget: int, depth: int, vocab: int, device="cuda",
+                 max_mask_bytes: int = 0):
+        import torch
+
+        from sglang_kdtree.gpu.verify import alloc_verify_inputs
+
+        max_budget = _check_budget(max_budget)
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be in [1, {MAX_DEPTH}], got {depth}")
+        self.max_batch, self.max_budget, self.depth, self.vocab = int(max_batch), max_budget, int(depth), int(vocab)
+        self.device = torch.device(device)
+        kmax = min(max(max_budget, 1), vocab)
+        rows = self.max_batch * self.depth
+        self.topk_workspace = TopKWorkspace(rows, vocab, kmax, self.device)
+        self.logprobs = torch.empty(rows * kmax, dtype=torch.float32, device=self.device)
+        self.token_ids = torch.empty(rows * kmax, dtype=torch.int64, device=self.device)
+        self.trees = _alloc_tree(self.max_batch, max_budget + 1, self.device)
+        self.verify = alloc_verify_inputs(self.max_batch, max_budget + 1, max_mask_bytes, self.device)
+        self.error_flag = new_error_flag(self.device)
+
+    def topk(self, logits, budget: int):
+        """``topk_logprobs(logits [bs, L, V], budget)`` into the builder's buffers."""
+        k = _check_k(max(budget, 1))
+        bs = logits.shape[0]
+        if bs > self.max_batch or logits.shape[1] != self.depth or logits.shape[2] != self.vocab:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not fit this TreeBuilder "
+                f"([<= {self.max_batch}, {self.depth}, {self.vocab}])"
+            )
+        return topk_logprobs(logits, k, workspace=self.topk_workspace, out=(self.logprobs, self.token_ids),
+                             error_flag=self.error_flag)
+
+    def build(self, logprobs, token_ids, budget: int, root_tokens) -> GpuTreeBatch:
+        return build_trees(logprobs, token_ids, budget, root_tokens, out=self.trees, error_flag=self.error_flag)
+
+    def verify_inputs(self, trees: GpuTreeBatch, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
+        from sglang_kdtree.gpu.verify import verify_inputs
+
+        return verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum, out=self.verify, fill_prefix=fill_prefix,
+                             error_flag=self.error_flag)
+
+    def round(self, logits, budget: int, root_tokens, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
+        """Draft logits ``[bs, L, V]`` -> (``GpuTreeBatch``, ``GpuVerifyInputs``), all on the device.
+
+        ``seq_lens_sum`` is the host-side ``sum(seq_lens)`` the scheduler already knows (SGLang's
+        ``batch.seq_lens_sum``); it sizes the FULL_MASK without a sync.
+        """
+        lp, ids = self.topk(logits, budget)
+        trees = self.build(lp, ids, budget, root_tokens)
+        return trees, self.verify_inputs(trees, seq_lens, seq_lens_sum, fill_prefix)
+
+    def check(self) -> None:
+        raise_on_flag(self.error_flag, "TreeBuilder")
+
+    def clear_errors(self) -> None:
+        self.error_flag.zero_()

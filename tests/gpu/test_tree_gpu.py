@@ -1,0 +1,252 @@
+"""GPU tree construction against the numpy reference: top-K + lse (fp32/bf16, ties, -inf, TP shards),
+the exact best-first tree (thousands of random and tie-heavy cases, scores bit for bit), verify inputs,
+error flags and CUDA-graph replay. No timing here."""
+
+import numpy as np
+import pytest
+
+from sglang_kdtree import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+
+def _gpu():
+    from sglang_kdtree.gpu import topk, tree, verify
+
+    return topk, tree, verify
+
+
+def _lse64(x):
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def _check_topk(logits_np, k, gpu_lp, gpu_ids):
+    lp, ids = ref.topk_logprobs(logits_np, k)
+    np.testing.assert_array_equal(gpu_ids.cpu().numpy(), ids)
+    lse = _lse64(logits_np.reshape(-1, logits_np.shape[-1]).astype(np.float32)).reshape(logits_np.shape[:-1])
+    tol = 2e-6 * np.maximum(1.0, np.abs(lse))[..., None]
+    got = gpu_lp.cpu().numpy()
+    fin = np.isfinite(lp)
+    assert np.array_equal(np.isfinite(got), fin)
+    assert np.all(np.abs(got[fin].astype(np.float64) - lp[fin]) <= np.broadcast_to(tol, lp.shape)[fin])
+
+
+@pytest.mark.parametrize("v", [1, 7, 100, 8191, 8192, 8193, 20000, 163840])
+@pytest.mark.parametrize("k", [1, 5, 64, 1024])
+def test_topk_fp32_random_and_ties(v, k):
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(v * 7 + k)
+    for kind in ("normal", "ties"):
+        rows = 3 if v == 163840 else 5
+        if kind == "normal":
+            x = rng.normal(0, 3, size=(rows, v)).astype(np.float32)
+        else:
+            x = (rng.integers(-6, 3, size=(rows, v)) / 8).astype(np.float32)
+            x[x == 0] = rng.choice([0.0, -0.0], size=int((x == 0).sum()))
+        if v > 3:
+            x[0, rng.integers(0, v, size=v // 3)] = -np.inf
+        t = torch.from_numpy(x).cuda()
+        lp, ids = topk.topk_logprobs(t, k, check=True)
+        _check_topk(x, k, lp, ids)
+
+
+@pytest.mark.parametrize("k", [16, 512])
+def test_topk_bf16_batch(k):
+    topk, _, _ = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = (torch.randn(2, 15, 163840, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    lp, ids = topk.topk_logprobs(x, k, check=True)
+    _check_topk(x.float().cpu().numpy(), k, lp, ids)
+
+
+def test_topk_unaligned_rows():
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(3)
+    x = (rng.integers(-4, 4, size=(4, 10007)) / 4).astype(np.float32)
+    for dt in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).cuda().to(dt)
+        lp, ids = topk.topk_logprobs(t, 300, check=True)
+        _check_topk(t.float().cpu().numpy(), 300, lp, ids)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_tp_shards_merge_to_unsharded(shards):
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(shards)
+    v, k = 32000, 256
+    x = (rng.integers(-40, 8, size=(3, 5, v)) / 8).astype(np.float32)
+    bounds = np.linspace(0, v, shards + 1).astype(int)
+    parts = []
+    for s in range(shards):
+        sl = x[..., bounds[s]: bounds[s + 1]]
+        vals, ids, lse = topk.shard_topk_partials(torch.from_numpy(np.ascontiguousarray(sl)).cuda(), k,
+                                                  int(bounds[s]), check=True)
+        rv, ri, rl = ref.shard_topk_partials(sl, k, int(bounds[s]))
+        np.testing.assert_array_equal(ids.cpu().numpy(), ri)
+        np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+        np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
+        parts.append((vals, ids, lse))
+    perm = torch.randperm(parts[0][0].shape[-1], device="cuda")  # "any order" inside a shard
+    tv = torch.stack([p[0][..., perm] for p in parts])
+    ti = torch.stack([p[1][..., perm] for p in parts])
+    tl = torch.stack([p[2] for p in parts])
+    lp, ids = topk.merge_topk_partials(tv, ti, tl, k, check=True)
+    _check_topk(x, k, lp, ids)
+
+
+def _sorted_rows(rng, bs, depth, k, tie_heavy):
+    if tie_heavy:
+        lp = -(rng.integers(0, 6, size=(bs, depth, k)) / 8.0)
+    else:
+        lp = -np.abs(rng.normal(0, 2, size=(bs, depth, k)))
+    lp = -np.sort(-lp, axis=-1).astype(np.float32)
+    if rng.random() < 0.3 and k > 1:
+        cut = rng.integers(1, k + 1)
+        lp[:, rng.integers(0, depth), cut:] = -np.inf
+    ids = rng.integers(0, 100000, size=(bs, depth, k)).astype(np.int64)
+    return lp, ids
+
+
+def _compare_trees(got, want, scores_want=None):
+    for f in ("tokens", "depths", "parents", "num_nodes"):
+        np.testing.assert_array_equal(getattr(got, f).cpu().numpy(), getattr(want, f), err_msg=f)
+
+
+def test_tree_exact_thousands_of_cases():
+    _, tree, _ = _gpu()
+    rng = np.random.default_rng(0)
+    cases = 0
+    for it in range(60):
+        depth = int(rng.integers(1, 8))
+        k = int(rng.integers(1, 9))
+        budget = int(rng.integers(1, 48))
+        bs = 64
+        lp, ids = _sorted_rows(rng, bs, depth, k, tie_heavy=it % 2 == 0)
+        roots = rng.integers(0, 1000, size=bs).astype(np.int64)
+        got = tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
+                               torch.from_numpy(roots).cuda(), check=True)
+        want = ref.build_trees(lp, ids, budget, roots)
+        _compare_trees(got, want)
+        sc = got.scores.cpu().numpy()
+        for b in range(bs):
+            t = ref.build_tree(lp[b], ids[b], budget)
+            assert sc[b, 1: t.num_nodes + 1].tobytes() == t.scores.tobytes()
+        cases += bs
+    assert cases >= 3000
+
+
+@pytest.mark.parametrize("budget,depth,k", [(1024, 31, 1024), (1024, 15, 64), (300, 2, 3), (1, 1, 1),
+                                            (512, 15, 512), (0, 4, 4), (7, 7, 1)])
+def test_tree_edge_sizes(budget, depth, k):
+    _, tree, _ = _gpu()
+    rng = np.random.default_rng(budget + depth)
+    lp, ids = _sorted_rows(rng, 3, depth, k, tie_heavy=True)
+    roots = np.arange(3, dtype=np.int64)
+    out = tree._alloc_tree(3, max(budget, 0) + 1, "cuda")
+    for t in (out.tokens, out.depths, out.parents, out.ranks, out.num_nodes):
+        t.fill_(12345)  # poison
+    got = tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
+                           torch.from_numpy(roots).cuda(), out=out, check=True)
+    _compare_trees(got, ref.build_trees(lp, ids, budget, roots))
+
+
+def test_verify_inputs_exact_mixed_prefixes():
+    _, tree, verify = _gpu()
+    rng = np.random.default_rng(5)
+    for budget in (1, 16, 64, 100, 511):
+        bs = 6
+        lp, ids = _sorted_rows(rng, bs, 15, min(budget, 64), tie_heavy=True)
+        roots = rng.integers(0, 1000, size=bs).astype(np.int64)
+        want_t = ref.build_trees(lp, ids, budget, roots)
+        seq = rng.integers(0, 300, size=bs).astype(np.int64)
+        seq[0] = 0
+        gt = tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
+                              torch.from_numpy(roots).cuda(), check=True)
+        out = verify.alloc_verify_inputs(bs, budget + 1, int(seq.sum()) * (budget + 1) + (budget + 1) ** 2 * bs,
+                                         "cuda")
+        for t in out.__dict__.values():
+            t.fill_(1)  # poison
+        got = verify.verify_inputs(gt, torch.from_numpy(seq).cuda(), seq_lens_sum=int(seq.sum()), out=out,
+                                   check=True)
+        want = ref.verify_inputs(want_t, seq)
+        for f in ("input_ids", "positions", "full_mask", "retrieve_index", "retrieve_next_token",
+                  "retrieve_next_sibling"):
+            np.testing.assert_array_equal(getattr(got, f).cpu().numpy().reshape(getattr(want, f).shape),
+                                          getattr(want, f), err_msg=f)
+        np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
+
+
+def test_errors_flagged_like_reference():
+    topk, tree, _ = _gpu()
+    x = torch.randn(2, 3, 5000, device="cuda")
+    x[1, 2, 17] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        topk.topk_logprobs(x, 8, check=True)
+    x[1, 2, 17] = float("inf")
+    with pytest.raises(ValueError, match=r"\+inf"):
+        topk.topk_logprobs(x, 8, check=True)
+    x[1, 2] = float("-inf")
+    x[1, 2, 17] = 0
+    x[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match="entirely -inf"):
+        topk.topk_logprobs(x, 8, check=True)
+    lp = -torch.rand(2, 3, 4, device="cuda").sort(dim=-1, descending=True).values
+    ids = torch.zeros(2, 3, 4, dtype=torch.int64, device="cuda")
+    roots = torch.zeros(2, dtype=torch.int64, device="cuda")
+    bad = lp.clone()
+    bad[0, 1, 2] = 0.5
+    with pytest.raises(ValueError, match="not sorted"):
+        tree.build_trees(bad, ids, 5, roots, check=True)
+    bad = lp.clone()
+    bad[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        tree.build_trees(bad, ids, 5, roots, check=True)
+    tree.build_trees(lp, ids, 5, roots, check=True)  # clean input: no error
+
+
+def test_cuda_graph_replay_matches_eager():
+    _, tree, _ = _gpu()
+    bs, depth, vocab, budget = 8, 15, 163840, 64
+    seq = torch.randint(10, 200, (bs,), device="cuda", dtype=torch.int64)
+    seq_sum = int(seq.sum())
+    builder = tree.TreeBuilder(bs, budget, depth, vocab, "cuda", max_mask_bytes=seq_sum * 65 + 65 * 65 * bs)
+    static_logits = torch.empty(bs, depth, vocab, device="cuda", dtype=torch.bfloat16)
+    roots = torch.arange(bs, device="cuda", dtype=torch.int64)
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        static_logits.copy_((torch.randn(bs, depth, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16))
+
+    def snapshot(t, v):
+        return [x.clone() for x in (t.tokens, t.depths, t.parents, t.num_nodes, v.full_mask, v.positions,
+                                    v.ancestor_bits, v.retrieve_next_token, v.retrieve_next_sibling)]
+
+    fill(1)
+    builder.round(static_logits, budget, roots, seq, seq_sum)  # warm-up: compiles the kernels
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        builder.round(static_logits, budget, roots, seq, seq_sum)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_trees, g_ver = builder.round(static_logits, budget, roots, seq, seq_sum)
+    for seed in (2, 3):
+        fill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        replay = snapshot(g_trees, g_ver)
+        e_trees, e_ver = builder.round(static_logits, budget, roots, seq, seq_sum)
+        torch.cuda.synchronize()
+        for a, b in zip(replay, snapshot(e_trees, e_ver)):
+            assert torch.equal(a, b)
+        # and the eager result is the reference's
+        lp, ids = ref.topk_logprobs(static_logits.float().cpu().numpy(), budget)
+        want = ref.build_trees(lp, ids, budget, roots.cpu().numpy())
+        np.testing.assert_array_equal(e_trees.tokens.cpu().numpy(), want.tokens)
+    builder.check()
