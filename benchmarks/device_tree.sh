@@ -8,10 +8,10 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" | tee -a "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_gpu.py tests/test_tree_gpu_boundary.py \
+timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_gpu.py tests/test_tree_gpu_boundary.py \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 tail -30 "$OUT/tests.log"
-timeout 120 python3 -m pytest -q -p no:cacheprovider benchmarks/bench_tree.py --benchmark-columns=min,median,max \
+timeout 50 python3 -m pytest -q -p no:cacheprovider benchmarks/bench_tree.py --benchmark-columns=min,median,max \
   > "$OUT/bench_pytest.log" 2>&1; echo "bench_tree rc=$?"; tail -12 "$OUT/bench_pytest.log"
-timeout 360 python3 -m sglang_kdtree.bench_gpu ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+timeout 200 python3 -m sglang_kdtree.bench_gpu ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench_gpu rc=$?"; tail -30 "$OUT/bench.log"

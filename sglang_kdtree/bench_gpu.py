@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the rows to this file")
     a = p.parse_args(argv)
     rows = run_gpu_bench(a.batches, a.budgets, a.depth, a.vocab,
-                         progress=lambda r: print(f"done bs={r['batch']} B={r['budget']}", flush=True))
+                         progress=lambda r: print(json.dumps(r), flush=True))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
