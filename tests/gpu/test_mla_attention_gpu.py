@@ -1,0 +1,151 @@
+"""GPU tests of kernels/mla_tree_verify.cu against its float64 twin (relative Frobenius error <= 2e-2 on
+outputs; LSE absolute error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_kdtree.gpu.mla_attention import (
+    mla_tree_verify,
+    mla_tree_verify_paged,
+    mla_tree_verify_reference,
+    synthetic_inputs,
+)
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-2
+
+
+def _run(case, num_splits=None):
+    tokens, heads = case["q"].shape[:2]
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device="cuda")
+    mla_tree_verify(case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
+                    case["ancestor_bits"], case["sm_scale"], out=out, lse=lse, num_splits=num_splits)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _reference(case):
+    return mla_tree_verify_reference(case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"],
+                                     case["tree_slots"], case["ancestor_bits"], case["sm_scale"])
+
+
+def _check(out, lse, ref_out, ref_lse):
+    assert not torch.isnan(out).any(), "output rows left unwritten (NaN poison survived)"
+    assert not torch.isnan(lse).any(), "LSE entries left unwritten"
+    rel = (out.double() - ref_out).norm() / ref_out.norm()
+    assert rel <= TOL, f"relative error {rel:.3e} > {TOL}"
+    # per-row check too, so one bad row cannot hide in the global norm
+    row_rel = (out.double() - ref_out).norm(dim=-1) / ref_out.norm(dim=-1).clamp_min(1e-6)
+    assert row_rel.max() <= 5 * TOL, f"worst row relative error {row_rel.max():.3e}"
+    assert (lse.double() - ref_lse).abs().max() <= TOL
+
+
+GRID = [
+    # (bs, N, H, prefix lengths)
+    (1, 17, 8, [100]),
+    (1, 1, 8, [64]),          # root only
+    (3, 65, 16, [0, 1000, 37]),  # mixed prefixes incl. an empty one
+    (2, 17, 64, [4000, 10]),
+    (1, 33, 128, [500]),
+    (2, 257, 8, [300, 2000]),
+    (1, 513, 16, [1200]),     # widest tree: 17 ancestor words per row
+    (4, 65, 8, [16384, 3, 700, 8000]),
+]
+
+
+@pytest.mark.parametrize("bs, width, heads, prefix", GRID)
+def test_matches_float64_reference(bs, width, heads, prefix):
+    case = synthetic_inputs(bs, width, heads, prefix, seed=bs * 1000 + width + heads, q_std=2.0)
+    ref_out, ref_lse = _reference(case)
+    out, lse = _run(case)
+    _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
+def test_split_k_merge_matches_reference(num_splits):
+    case = synthetic_inputs(2, 65, 16, [3000, 129], seed=num_splits)
+    ref_out, ref_lse = _reference(case)
+    out, lse = _run(case, num_splits=num_splits)  # 40 splits leave some splits empty for the short request
+    _check(out, lse, ref_out, ref_lse)
+
+
+def test_padding_rows_and_partial_trees():
+    case = synthetic_inputs(3, 65, 8, [50, 0, 900], seed=7, num_nodes=[64, 10, 0])
+    ref_out, ref_lse = _reference(case)
+    out, lse = _run(case)
+    _check(out, lse, ref_out, ref_lse)
+
+
+def test_non_ancestor_keys_are_invisible():
+    """Poison the KV row of tree node j with huge values: rows that do not have j as ancestor-or-self must
+    be bit-identical to the unpoisoned run (masked keys are selected away, never added)."""
+    case = synthetic_inputs(2, 65, 16, [700, 1500], seed=11)
+    base_out, base_lse = _run(case)
+    bits = case["ancestor_bits"].cpu().numpy()
+    width, heads = 65, 16
+    for j in (1, 5, 30, 64):
+        poisoned = dict(case)
+        kv = case["kv_buffer"].clone()
+        slots = case["tree_slots"].view(2, width)[:, j]
+        kv[slots] = 1.0e30
+        poisoned["kv_buffer"] = kv
+        out, lse = _run(poisoned)
+        sees_j = torch.from_numpy(((bits[:, :, j // 32] >> np.uint32(j % 32)) & 1).astype(bool)).cuda()
+        unaffected = (~sees_j).reshape(-1)
+        assert unaffected.any()
+        assert torch.equal(out[unaffected], base_out[unaffected])
+        assert torch.equal(lse[unaffected], base_lse[unaffected])
+        assert torch.isfinite(out.float()[unaffected]).all()
+    # spare pool rows (never addressed) poisoned too: nothing changes anywhere
+    kv = case["kv_buffer"].clone()
+    kv[case["spare"]] = 1.0e30
+    out, lse = _run(dict(case, kv_buffer=kv))
+    assert torch.equal(out, base_out) and torch.equal(lse, base_lse)
+
+
+def test_chain_tree_equals_causal_attention():
+    """A chain (parent i-1) is plain causal verify: node i sees the prefix and tree nodes 0..i."""
+    bs, width, heads, prefix = 2, 65, 16, [900, 333]
+    case = synthetic_inputs(bs, width, heads, prefix, seed=5, chain=True)
+    out, lse = _run(case)
+    assert not torch.isnan(out).any()
+    kv = case["kv_buffer"].double()
+    indptr = case["kv_indptr"].tolist()
+    for b in range(bs):
+        slots = torch.cat([case["kv_indices"][indptr[b]:indptr[b + 1]], case["tree_slots"][b * width:(b + 1) * width]])
+        keys = kv[slots]
+        q = case["q"][b * width:(b + 1) * width].double()
+        total = slots.shape[0]
+        # causal: query i sits at key position prefix + i
+        allowed = torch.arange(total, device="cuda")[None, :] <= (prefix[b] + torch.arange(width, device="cuda"))[:, None]
+        scores = torch.einsum("nhd,ld->nhl", q, keys) * case["sm_scale"]
+        scores = scores.masked_fill(~allowed[:, None, :], -math.inf)
+        expect = torch.einsum("nhl,lv->nhv", torch.softmax(scores, dim=-1), keys[:, :512])
+        got = out[b * width:(b + 1) * width].double()
+        assert (got - expect).norm() / expect.norm() <= TOL
+
+
+def test_paged_addressing_matches_csr():
+    """req_to_token rows (int32, the fa3 view) give bit-identical results to the CSR form."""
+    bs, width, heads, prefix = 3, 17, 8, [40, 2100, 0]
+    case = synthetic_inputs(bs, width, heads, prefix, seed=3)
+    csr_out, csr_lse = _run(case, num_splits=1)
+    max_ctx = 4096
+    table = torch.zeros((5, max_ctx), dtype=torch.int32, device="cuda")
+    rows = torch.tensor([4, 0, 2], device="cuda")
+    indptr = case["kv_indptr"].tolist()
+    for b in range(bs):
+        table[rows[b], : prefix[b]] = case["kv_indices"][indptr[b]:indptr[b + 1]].to(torch.int32)
+        table[rows[b], prefix[b]:prefix[b] + width] = case["tree_slots"][b * width:(b + 1) * width].to(torch.int32)
+    out = torch.full_like(csr_out, float("nan"))
+    lse = torch.full_like(csr_lse, float("nan"))
+    mla_tree_verify_paged(case["q"], case["kv_buffer"].view(-1, 1, 576), table, rows,
+                          torch.tensor(prefix, device="cuda"), case["tree_slots"], case["ancestor_bits"],
+                          case["sm_scale"], out=out, lse=lse, num_splits=1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, csr_out) and torch.equal(lse, csr_lse)
