@@ -15,6 +15,6 @@ timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_mla_atten
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 tail -25 "$OUT/tests.log"
 echo "tests done after $(( $(date +%s) - t0 )) s"
-timeout 200 python3 benchmarks/bench_mla_attention.py ${BENCH_ARGS:-} --json "$OUT/bench_mla.json" > "$OUT/bench_mla.log" 2>&1
+timeout 150 python3 benchmarks/bench_mla_attention.py ${BENCH_ARGS:-} --json "$OUT/bench_mla.json" > "$OUT/bench_mla.log" 2>&1
 echo "bench rc=$? after $(( $(date +%s) - t0 )) s"
 cat "$OUT/bench_mla.log" | grep -v Warning | tail -60
