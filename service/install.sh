@@ -1,0 +1,284 @@
+#!/usr/bin/env bash
+# Install (or upgrade to) the sglang-kdtree version of the sglang-k26-ddtree service, reversibly.
+#
+# Usage: install.sh --env-file FILE [--root DIR] [--dry-run] [--no-restart]
+#   --env-file FILE  the site settings to install as /etc/default/sglang-k26-ddtree
+#                    (start from service/sglang-k26-ddtree.env.example)
+#   --root DIR       treat DIR as / for every file written or backed up (tests, image builds); without
+#                    SYSTEMCTL set, systemctl is then not called and nothing is restarted
+#   --dry-run        run the preflight and print every change (file diffs, commands) without making any
+#   --no-restart     install the files and reload systemd, but leave the running service alone
+#
+# Steps: preflight (Python and SGLang versions, kdtree resolves after load_plugins(), GPU count >= TP, model
+# paths exist, no drop-in overrides ExecStart); back up the unit, env file and scripts about to change
+# (under /var/lib/sglang-kdtree/backups); install; systemctl daemon-reload and restart; healthcheck.sh.
+# If the restart or the healthcheck fails, rollback.sh restores the backup and restarts the old service.
+# Running it again with the same inputs changes nothing. Nothing is changed when the preflight fails.
+#
+# Overrides for tests and unusual hosts: SYSTEMCTL (systemctl command), GPU_COUNT_CMD (prints the GPU count,
+# instead of nvidia-smi), CURL; the Python checked and run is KDTREE_PYTHON from the env file.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=kdtree-env.sh
+. "$here/kdtree-env.sh"
+
+usage() { sed -n '2,20s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+
+env_src="" root="/" dry_run=0 restart=1
+while (($#)); do
+    case $1 in
+        --env-file) (($# >= 2)) || kdtree_die "--env-file needs a path"; env_src=$2; shift 2 ;;
+        --root) (($# >= 2)) || kdtree_die "--root needs a directory"; root=$2; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        --no-restart) restart=0; shift ;;
+        -h | --help) usage; exit 0 ;;
+        *) kdtree_die "unknown option '$1' (see --help)" ;;
+    esac
+done
+[[ -n $env_src ]] || kdtree_die "--env-file is required (start from $here/sglang-k26-ddtree.env.example)"
+[[ -d $root ]] || kdtree_die "--root '$root' is not a directory"
+root=$(cd "$root" && pwd)
+prefix=${root%/}
+env_src=$(cd "$(dirname "$env_src")" && pwd)/$(basename "$env_src")
+
+use_systemctl=1
+if [[ -z ${SYSTEMCTL:-} && $root != / ]]; then
+    use_systemctl=0
+    restart=0
+    kdtree_note "--root $root without SYSTEMCTL: systemd is not called and nothing is restarted"
+fi
+read -ra systemctl_cmd <<<"${SYSTEMCTL:-systemctl}"
+
+# Managed files: source, destination (as seen by the running system), mode. The env file is 0640 because it
+# may hold an API key.
+sources=("$here/sglang-k26-ddtree.service" "$env_src" "$here/launch.sh" "$here/healthcheck.sh"
+    "$here/rollback.sh" "$here/kdtree-env.sh" "$here/README.md")
+targets=("$KDTREE_UNIT_PATH" "$KDTREE_ENV_PATH" "$KDTREE_LIBEXEC_DIR/launch.sh" "$KDTREE_LIBEXEC_DIR/healthcheck.sh"
+    "$KDTREE_LIBEXEC_DIR/rollback.sh" "$KDTREE_LIBEXEC_DIR/kdtree-env.sh" "$KDTREE_LIBEXEC_DIR/README.md")
+modes=(0644 0640 0755 0755 0755 0644 0644)
+
+# ---------------------------------------------------------------------------------------------- preflight
+preflight_failed=0
+check_fail() {
+    printf '  FAIL %s\n' "$*" >&2
+    preflight_failed=1
+}
+check_ok() { printf '  ok   %s\n' "$*"; }
+
+echo "preflight:"
+for src in "${sources[@]}"; do
+    [[ -f $src ]] || kdtree_die "missing source file '$src'"
+done
+
+# launch.sh validates paths, TP against visible GPUs, budget, backend and extra flags: the same code the unit
+# runs at every start.
+if command_line=$(KDTREE_ENV_FILE="" "$here/launch.sh" --env-file "$env_src" --print 2>&1); then
+    check_ok "command line: $command_line"
+else
+    check_fail "${command_line#launch.sh: error: }"
+fi
+
+# Python, SGLang and the plugin, checked with the interpreter and environment the service will use.
+python_report=$(
+    kdtree_load_env_file "$env_src"
+    [[ -n ${KDTREE_PYTHON:-} ]] || exit 0
+    timeout 600 "$KDTREE_PYTHON" - 2>&1 <<'EOF' || echo "python-exit $?"
+import sys
+from importlib import metadata
+
+print("python", ".".join(map(str, sys.version_info[:3])))
+for dist in ("sglang", "sglang-kdtree"):
+    try:
+        print(dist, metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        print(dist, "missing")
+pins = []
+try:
+    pins = [r.split(";")[0].replace(" ", "") for r in metadata.requires("sglang-kdtree") or []]
+except metadata.PackageNotFoundError:
+    pass
+print("sglang-pin", next((r.split("==", 1)[1] for r in pins if r.startswith("sglang==")), "none"))
+try:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    load_plugins()
+    print("kdtree resolves", type(SpeculativeAlgorithm.from_string("kdtree")).__name__)
+except Exception as exc:  # report any failure as a preflight finding, not a traceback
+    print("kdtree error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+EOF
+) || true
+report_field() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' <<<"$python_report"; }
+py_version=$(report_field python)
+if [[ -z $py_version ]]; then
+    check_fail "could not run the service's Python (KDTREE_PYTHON): ${python_report:-no output}"
+else
+    IFS=. read -r py_major py_minor _ <<<"$py_version"
+    if ((py_major > 3 || (py_major == 3 && py_minor >= 11))); then
+        check_ok "Python $py_version"
+    else
+        check_fail "Python $py_version is too old; sglang-kdtree needs Python >= 3.11"
+    fi
+    sglang_version=$(report_field sglang)
+    kdtree_version=$(report_field sglang-kdtree)
+    pin=$(report_field sglang-pin)
+    if [[ $sglang_version == missing ]]; then
+        check_fail "SGLang is not installed in the environment of KDTREE_PYTHON"
+    elif [[ $kdtree_version == missing ]]; then
+        check_fail "sglang-kdtree is not installed in that environment (pip install sglang-kdtree)"
+    elif [[ $pin != none && $sglang_version != "$pin" ]]; then
+        check_fail "SGLang $sglang_version is installed but sglang-kdtree $kdtree_version needs sglang==$pin"
+    else
+        check_ok "SGLang $sglang_version, sglang-kdtree $kdtree_version"
+    fi
+    kdtree_line=$(report_field kdtree)
+    if [[ $kdtree_line == resolves* ]]; then
+        check_ok "--speculative-algorithm kdtree resolves after load_plugins()"
+    else
+        check_fail "--speculative-algorithm kdtree does not resolve after sglang.srt.plugins.load_plugins(): ${kdtree_line#error } (run: python -m sglang_kdtree doctor; check SGLANG_PLUGINS)"
+    fi
+    if exit_line=$(report_field python-exit) && [[ -n $exit_line ]]; then
+        check_fail "the Python check exited with status $exit_line: $python_report"
+    fi
+fi
+
+# A drop-in that sets ExecStart= would keep running the old command under the new unit.
+dropin_dir=$prefix$KDTREE_UNIT_PATH.d
+if [[ -d $dropin_dir ]]; then
+    for dropin in "$dropin_dir"/*.conf; do
+        [[ -f $dropin ]] || continue
+        if grep -Eq '^[[:space:]]*ExecStart[[:space:]]*=' "$dropin"; then
+            check_fail "drop-in $dropin overrides ExecStart=; move it away first (rollback will not restore it)"
+        else
+            check_ok "drop-in $dropin kept (does not override ExecStart=)"
+        fi
+    done
+fi
+if ((use_systemctl)) && ! command -v "${systemctl_cmd[0]}" >/dev/null 2>&1; then
+    check_fail "systemctl command '${systemctl_cmd[0]}' not found"
+fi
+
+((preflight_failed)) && kdtree_die "preflight failed; nothing was changed"
+
+# ------------------------------------------------------------------------------------------------- plan
+changed=()
+for i in "${!sources[@]}"; do
+    dest=$prefix${targets[i]}
+    if [[ -f $dest ]] && cmp -s "${sources[i]}" "$dest" &&
+        [[ $(stat -c '%a' "$dest") == "${modes[i]#0}" ]]; then
+        continue
+    fi
+    changed+=("$i")
+done
+
+if ((${#changed[@]} == 0)); then
+    echo "already installed: every file under $root matches; nothing to do"
+    exit 0
+fi
+
+backups_dir=$prefix$KDTREE_STATE_DIR/backups
+echo "changes:"
+for i in "${changed[@]}"; do
+    dest=$prefix${targets[i]}
+    if [[ -e $dest ]]; then
+        echo "  replace $dest (mode ${modes[i]})"
+        diff -u --label "$dest (current)" --label "$dest (new)" "$dest" "${sources[i]}" | sed 's/^/    /' || true
+    else
+        echo "  create  $dest (mode ${modes[i]}) from ${sources[i]}"
+    fi
+done
+echo "  back up the current version of every file above under $backups_dir/"
+if ((use_systemctl)); then
+    echo "  run: ${systemctl_cmd[*]} daemon-reload"
+    if ((restart)); then
+        echo "  run: ${systemctl_cmd[*]} restart --no-block $KDTREE_UNIT_NAME"
+        echo "  run: $here/healthcheck.sh --env-file $prefix$KDTREE_ENV_PATH --unit $KDTREE_UNIT_NAME; on failure $here/rollback.sh"
+    fi
+fi
+if ((dry_run)); then
+    echo "dry run: nothing was changed"
+    exit 0
+fi
+
+# ----------------------------------------------------------------------------------------------- backup
+mkdir -p "$backups_dir"
+exec 9>"$prefix$KDTREE_STATE_DIR/lock"
+flock -n 9 || kdtree_die "another install.sh or rollback.sh holds $prefix$KDTREE_STATE_DIR/lock"
+
+# Backups stack up: each install that changes something pushes one, each rollback pops the newest.
+last=$(find "$backups_dir" -mindepth 1 -maxdepth 1 -type d -name '[0-9]*' -printf '%f\n' | sort -n | tail -n 1)
+seq=1
+[[ -n $last ]] && seq=$((10#${last%%-*} + 1))
+backup=$backups_dir/$(printf '%04d' "$seq")-$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$backup/files"
+service_state=unknown
+if ((use_systemctl)); then
+    service_state=$(timeout 30 "${systemctl_cmd[@]}" is-active "$KDTREE_UNIT_NAME" 2>/dev/null) || true
+fi
+{
+    echo "# sglang-kdtree install backup: the state before $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    printf 'service\t%s\n' "${service_state:-unknown}"
+    # Directories the install will create, outermost first, so rollback can remove them again.
+    declare -A seen_dirs=()
+    for target in "${targets[@]}"; do
+        missing=() dir=$(dirname "$target")
+        while [[ $dir != / && ! -d $prefix$dir ]]; do
+            missing=("$dir" "${missing[@]}")
+            dir=$(dirname "$dir")
+        done
+        for dir in "${missing[@]}"; do
+            [[ -n ${seen_dirs[$dir]:-} ]] && continue
+            seen_dirs[$dir]=1
+            printf 'createddir\t%s\n' "$dir"
+        done
+    done
+    for i in "${!targets[@]}"; do
+        dest=$prefix${targets[i]}
+        if [[ -e $dest ]]; then
+            mkdir -p "$backup/files$(dirname "${targets[i]}")"
+            cp -p "$dest" "$backup/files${targets[i]}"
+            printf 'present\t%s\n' "${targets[i]}"
+        else
+            printf 'absent\t%s\n' "${targets[i]}"
+        fi
+    done
+} >"$backup/manifest.tmp"
+# The manifest appears only once the copies are complete, so rollback never restores a partial backup.
+mv "$backup/manifest.tmp" "$backup/manifest"
+echo "backed up to $backup"
+
+# ---------------------------------------------------------------------------------------------- install
+for i in "${changed[@]}"; do
+    dest=$prefix${targets[i]}
+    mkdir -p "$(dirname "$dest")"
+    # Write beside the destination and rename, so a running script or a reader never sees half a file.
+    tmp=$(mktemp "$dest.kdtree-new.XXXXXX")
+    cp "${sources[i]}" "$tmp"
+    chmod "${modes[i]}" "$tmp"
+    mv -f "$tmp" "$dest"
+    echo "installed $dest"
+done
+
+roll_back() {
+    kdtree_note "$*; rolling back to $backup"
+    flock -u 9
+    if "$here/rollback.sh" --root "$root"; then
+        kdtree_die "install failed ($*); the previous files were restored and the previous service restarted"
+    fi
+    kdtree_die "install failed ($*) and the rollback failed too; restore by hand from $backup"
+}
+
+if ((use_systemctl)); then
+    timeout 120 "${systemctl_cmd[@]}" daemon-reload || roll_back "systemctl daemon-reload failed"
+fi
+if ((!restart)); then
+    echo "installed; the service was not restarted"
+    exit 0
+fi
+# --no-block: the unit's ExecStartPost waits for the model load; our own bounded healthcheck follows it.
+timeout 300 "${systemctl_cmd[@]}" restart --no-block "$KDTREE_UNIT_NAME" || roll_back "systemctl restart failed"
+if ! "$here/healthcheck.sh" --env-file "$prefix$KDTREE_ENV_PATH" --unit "$KDTREE_UNIT_NAME"; then
+    roll_back "the healthcheck failed after the restart"
+fi
+echo "installed and healthy; undo with: $KDTREE_LIBEXEC_DIR/rollback.sh"

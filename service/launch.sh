@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Build, validate and run the SGLang server command for the sglang-k26-ddtree service.
+#
+# Usage: launch.sh [--env-file FILE] [--print]
+#   --env-file FILE  environment file to read (default: $KDTREE_ENV_FILE, else /etc/default/sglang-k26-ddtree)
+#   --print          validate and print the command line instead of running it
+#
+# Every KEY=VALUE of the file is exported to the server (so CUDA_VISIBLE_DEVICES, HF_HUB_OFFLINE, SGLANG_*
+# can be set there); the KDTREE_* keys build the command line, see sglang-k26-ddtree.env.example.
+# The server is exec'ed, so under systemd its PID is the unit's main PID and receives SIGTERM directly.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=kdtree-env.sh
+. "$here/kdtree-env.sh"
+
+usage() { sed -n '2,11s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+
+env_file=${KDTREE_ENV_FILE:-$KDTREE_ENV_PATH}
+print_only=0
+while (($#)); do
+    case $1 in
+        --env-file) (($# >= 2)) || kdtree_die "--env-file needs a path"; env_file=$2; shift 2 ;;
+        --print) print_only=1; shift ;;
+        -h | --help) usage; exit 0 ;;
+        *) kdtree_die "unknown option '$1' (see --help)" ;;
+    esac
+done
+
+kdtree_load_env_file "$env_file"
+
+# Flags the env file controls through KDTREE_* keys; repeating them in KDTREE_EXTRA_ARGS would make the
+# effective value depend on argparse's last-one-wins rule, so it is refused.
+managed_flags=(--model-path --model --tp --tp-size --tensor-parallel-size --speculative-algorithm
+    --speculative-draft-model-path --speculative-num-draft-tokens --speculative-dflash-block-size
+    --attention-backend --page-size --host --port --api-key)
+
+require() {
+    [[ -n ${!1:-} ]] || kdtree_die "$env_file: $1 is not set ($2)"
+}
+
+require KDTREE_PYTHON "the Python interpreter of the SGLang environment, e.g. /opt/sglang/venv/bin/python"
+require KDTREE_MODEL_PATH "the target model directory"
+require KDTREE_DRAFT_MODEL_PATH "the DFlash drafter directory"
+require KDTREE_TP_SIZE "tensor-parallel size, e.g. 8"
+require KDTREE_BUDGET "DDTree node budget, 1..1024"
+require KDTREE_ATTENTION_BACKEND "fa3, triton or flashinfer"
+require KDTREE_HOST "bind address, e.g. 0.0.0.0"
+require KDTREE_PORT "HTTP port, e.g. 30000"
+
+python=$KDTREE_PYTHON
+if [[ $python != */* ]]; then
+    python=$(command -v "$python") || kdtree_die "KDTREE_PYTHON '$KDTREE_PYTHON' is not on PATH"
+fi
+[[ -f $python && -x $python ]] || kdtree_die "KDTREE_PYTHON '$python' is not an executable file"
+
+for key in KDTREE_MODEL_PATH KDTREE_DRAFT_MODEL_PATH; do
+    path=${!key}
+    [[ -d $path ]] || kdtree_die "$key '$path' is not a directory"
+    [[ -f $path/config.json ]] || kdtree_die "$key '$path' has no config.json; point it at the checkpoint directory"
+done
+
+kdtree_is_uint "$KDTREE_TP_SIZE" 1024 || kdtree_die "KDTREE_TP_SIZE '$KDTREE_TP_SIZE' is not a positive integer"
+visible=$(kdtree_visible_gpus)
+if ((KDTREE_TP_SIZE > visible)); then
+    counted_by="nvidia-smi -L"
+    [[ -n ${GPU_COUNT_CMD:-} ]] && counted_by="GPU_COUNT_CMD '$GPU_COUNT_CMD'"
+    [[ -n ${CUDA_VISIBLE_DEVICES+set} ]] && counted_by+=", narrowed by CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES'"
+    kdtree_die "KDTREE_TP_SIZE=$KDTREE_TP_SIZE but only $visible GPU(s) are visible ($counted_by); lower KDTREE_TP_SIZE or free GPUs"
+fi
+
+# The budget counts tree nodes below the root; SGLang's verify width also holds the root (the bonus token).
+kdtree_is_uint "$KDTREE_BUDGET" 1024 || kdtree_die "KDTREE_BUDGET '$KDTREE_BUDGET' must be an integer in 1..1024"
+num_draft_tokens=$((KDTREE_BUDGET + 1))
+
+block_size=${KDTREE_DFLASH_BLOCK_SIZE:-}
+if [[ -n $block_size ]]; then
+    # The plugin accepts 2..32 (draft depth = block size - 1 <= 31).
+    if ! kdtree_is_uint "$block_size" 32 || ((block_size < 2)); then
+        kdtree_die "KDTREE_DFLASH_BLOCK_SIZE '$block_size' must be an integer in 2..32 (or empty for the drafter's own block size)"
+    fi
+fi
+
+backend=$KDTREE_ATTENTION_BACKEND
+case $backend in
+    fa3 | triton) ;;
+    flashinfer)
+        # FlashInfer's MLA path plans causal attention and ignores the tree mask, so only MHA models may use it.
+        if grep -Eq '"kv_lora_rank"[[:space:]]*:[[:space:]]*[0-9]' "$KDTREE_MODEL_PATH/config.json"; then
+            kdtree_die "KDTREE_ATTENTION_BACKEND=flashinfer does not apply the tree mask for MLA models like '$KDTREE_MODEL_PATH'; use fa3 (Hopper) or triton"
+        fi
+        ;;
+    *) kdtree_die "KDTREE_ATTENTION_BACKEND '$backend' cannot verify a tree; use fa3, triton (MLA or MHA) or flashinfer (MHA only)" ;;
+esac
+
+kdtree_is_uint "$KDTREE_PORT" 65535 || kdtree_die "KDTREE_PORT '$KDTREE_PORT' must be an integer in 1..65535"
+
+extra_args=()
+if [[ -n ${KDTREE_EXTRA_ARGS:-} ]]; then
+    # Split on whitespace only; the env file has no quoting inside a value.
+    read -ra extra_args <<<"$KDTREE_EXTRA_ARGS"
+fi
+for arg in "${extra_args[@]}"; do
+    for flag in "${managed_flags[@]}"; do
+        if [[ $arg == "$flag" || $arg == "$flag="* ]]; then
+            kdtree_die "KDTREE_EXTRA_ARGS repeats '$flag', which the env file already sets through its KDTREE_* key; remove it from KDTREE_EXTRA_ARGS"
+        fi
+    done
+done
+
+cmd=("$python" -m sglang.launch_server
+    --model-path "$KDTREE_MODEL_PATH"
+    --tp "$KDTREE_TP_SIZE"
+    --speculative-algorithm kdtree
+    --speculative-draft-model-path "$KDTREE_DRAFT_MODEL_PATH"
+    --speculative-num-draft-tokens "$num_draft_tokens")
+[[ -n $block_size ]] && cmd+=(--speculative-dflash-block-size "$block_size")
+# Tree verify writes one KV slot per tree node at arbitrary positions, which needs page size 1.
+cmd+=(--attention-backend "$backend" --page-size 1)
+cmd+=("${extra_args[@]}")
+cmd+=(--host "$KDTREE_HOST" --port "$KDTREE_PORT")
+[[ -n ${KDTREE_API_KEY:-} ]] && cmd+=(--api-key "$KDTREE_API_KEY")
+
+if ((print_only)); then
+    if [[ -n ${KDTREE_API_KEY:-} ]]; then
+        cmd[${#cmd[@]} - 1]="<KDTREE_API_KEY>"
+    fi
+    printf '%q' "${cmd[0]}"
+    printf ' %q' "${cmd[@]:1}"
+    printf '\n'
+    exit 0
+fi
+
+exec "${cmd[@]}"
