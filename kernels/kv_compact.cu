@@ -111,14 +111,16 @@ __device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stri
   i64 width = capacity / moving;
   if (width < 1) width = 1;
   for (i64 c0 = col_lo; c0 < col_hi; c0 += width) {
-    const i64 w = min(width, col_hi - c0);
-    const i64 items = w * moving;
+    // 32-bit index math: a tile holds at most blockDim * UNITS_PER_THREAD units (64-bit division is slow)
+    const int w = (int)min(width, col_hi - c0);
+    const int items = w * moving;
     Unit held[UNITS_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < UNITS_PER_THREAD; ++k) {
-      const i64 idx = threadIdx.x + (i64)k * blockDim.x;
+      const int idx = threadIdx.x + k * blockDim.x;
       if (idx < items) {
-        const i64 r = idx / w, c = c0 + idx % w;
+        const int r = idx / w;
+        const i64 c = c0 + idx % w;
         held[k] = base[s_src[r] * slot_stride_units + c];
       }
     }
@@ -126,9 +128,10 @@ __device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stri
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < UNITS_PER_THREAD; ++k) {
-      const i64 idx = threadIdx.x + (i64)k * blockDim.x;
+      const int idx = threadIdx.x + k * blockDim.x;
       if (idx < items) {
-        const i64 r = idx / w, c = c0 + idx % w;
+        const int r = idx / w;
+        const i64 c = c0 + idx % w;
         base[s_dst[r] * slot_stride_units + c] = held[k];
       }
     }
@@ -137,7 +140,7 @@ __device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stri
 }
 
 #define COMPACT_ENTRY(NAME, UNIT)                                                                             \
-  extern "C" __global__ void NAME(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units, \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units, \
                                   i64 num_slots, const i64* src_slots, const i64* dst_slots,                  \
                                   const i64* accept_lens, int M, int* errors) {                               \
     compact_impl<UNIT>(layer_ptrs, slot_stride_units, row_units, num_slots, src_slots, dst_slots, accept_lens,\

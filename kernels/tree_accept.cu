@@ -310,7 +310,8 @@ __device__ void finish(int b, int tau, int cur, i64 bonus, int M, int C, const i
   }
 }
 
-extern "C" __global__ void accept_ids(const i64* tokens, const i64* parents, const i64* num_nodes,
+// 256 threads: one or a few nodes each (N <= 1025)
+extern "C" __global__ void __launch_bounds__(256) accept_ids(const i64* tokens, const i64* parents, const i64* num_nodes,
                                       const i64* target_ids, const i64* seq_lens, int N, int M, int C,
                                       i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
                                       i64* new_seq_lens, int* errors) {
@@ -409,7 +410,7 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
 }
 
 #define ACCEPT_LOGITS_ENTRY(NAME, ELEM, SAMPLED)                                                              \
-  extern "C" __global__ void NAME(const i64* tokens, const i64* parents, const i64* num_nodes,               \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(const i64* tokens, const i64* parents, const i64* num_nodes,               \
                                   const ELEM* logits, i64 V, i64 ld, const i64* seq_lens,                     \
                                   const float* temperatures, const i64* top_ks, const float* top_ps,          \
                                   const i64* seeds, int N, int M, int C, i64* accepted, i64* accept_lens,     \

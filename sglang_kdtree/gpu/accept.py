@@ -28,6 +28,7 @@ ValueError); values that need the data (num_nodes range, parents < i, NaN logits
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from sglang_kdtree.gpu import runtime
@@ -165,6 +166,11 @@ def _outputs(bs, width, max_depth, device, with_seq_lens, out):
     )
 
 
+@functools.cache
+def _kernel(name: str):
+    return runtime.load_module("tree_accept.cu").get_function(name)
+
+
 def _ptr(t):
     import numpy as np
 
@@ -209,19 +215,18 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
     res = _outputs(bs, width, max_depth, device, seq_lens is not None, out)
     if bs == 0:
         return res
-    mod = runtime.load_module("tree_accept.cu")
     common_out = (_ptr(res.accepted), _ptr(res.accept_lens), _ptr(res.bonus), _ptr(res.committed),
                   _ptr(res.new_seq_lens if seq_lens is not None else None), _ptr(res.errors))
     dims = (np.int32(width), np.int32(max_depth + 1), np.int32(width))
     with runtime.current_stream():
         if ids:
-            mod.get_function("accept_ids")(
+            _kernel("accept_ids")(
                 (bs,), (_ACCEPT_THREADS_IDS,),
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), _ptr(seq_lens), *dims, *common_out),
             )
         else:
             name = "accept_logits_f32" if t.dtype == torch.float32 else "accept_logits_bf16"
-            mod.get_function(name)(
+            _kernel(name)(
                 (bs,), (_ACCEPT_THREADS_LOGITS,),
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
                  _ptr(seq_lens), _ptr(None), _ptr(None), _ptr(None), _ptr(None), *dims, *common_out),
@@ -292,10 +297,9 @@ def accept_sampled(
     res = _outputs(bs, width, max_depth, device, True, out)
     if bs == 0:
         return res
-    mod = runtime.load_module("tree_accept.cu")
     name = "accept_sampled_f32" if t.dtype == torch.float32 else "accept_sampled_bf16"
     with runtime.current_stream():
-        mod.get_function(name)(
+        _kernel(name)(
             (bs,), (_ACCEPT_THREADS_LOGITS,),
             (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
              _ptr(seq_lens), _ptr(temperatures), _ptr(top_ks), _ptr(top_ps), _ptr(seeds.contiguous()),

@@ -14,6 +14,7 @@ devices are checked on the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,11 @@ def verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, wid
     return torch.where(inside, rows.to(torch.int64), torch.full_like(cols, -1))
 
 
+@functools.cache
+def _kernel(module: str, name: str):
+    return runtime.load_module(module).get_function(name)
+
+
 def _ptr(t):
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -199,10 +205,9 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommi
     )
     if bs == 0 or m == 0:
         return plan
-    mod = runtime.load_module("kv_compact.cu")
     name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
     with runtime.current_stream():
-        mod.get_function(name)(
+        _kernel("kv_compact.cu", name)(
             (bs,), (_PLAN_THREADS,),
             (_ptr(accepted.contiguous()), _ptr(accept_lens.contiguous()), _ptr(verify_slots),
              np.int64(verify_slots.stride(0)), np.int32(bs), np.int32(m), np.int32(width),
@@ -252,8 +257,7 @@ def compact_kv(kv, plan, *, errors=None):
     # split rows by columns only when layers x requests alone would leave SMs idle
     blocks = table.num_layers * bs
     splits = max(1, min(-(-_TARGET_BLOCKS // blocks), row_units // 8 or 1))
-    mod = runtime.load_module("kv_compact.cu")
-    kernel = mod.get_function({16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
+    kernel = _kernel("kv_compact.cu", {16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
     with runtime.current_stream():
         kernel(
             (table.num_layers, bs, splits), (_COMPACT_THREADS,),
@@ -305,9 +309,8 @@ def gather_hidden(hidden, plan, *, errors=None):
         unit = 4
     if row_bytes % unit or ld_bytes % unit:
         raise ValueError(f"hidden rows of {row_bytes} bytes are not a multiple of 2 bytes")
-    mod = runtime.load_module("gather_hidden.cu")
     with runtime.current_stream():
-        mod.get_function({16: "gather_hidden_16B", 4: "gather_hidden_4B", 2: "gather_hidden_2B"}[unit])(
+        _kernel("gather_hidden.cu", {16: "gather_hidden_16B", 4: "gather_hidden_4B", 2: "gather_hidden_2B"}[unit])(
             (bs * m,), (_GATHER_THREADS,),
             (_ptr(hidden), np.int64(ld_bytes // unit), np.int64(hidden.shape[0]), np.int64(row_bytes // unit),
              _ptr(rows.contiguous()), _ptr(out), _ptr(errors)),
