@@ -183,7 +183,8 @@ for i in "${changed[@]}"; do
     dest=$prefix${targets[i]}
     if [[ -e $dest ]]; then
         echo "  replace $dest (mode ${modes[i]})"
-        diff -u --label "$dest (current)" --label "$dest (new)" "$dest" "${sources[i]}" | sed 's/^/    /' || true
+        diff -u --label "$dest (current)" --label "$dest (new)" "$dest" "${sources[i]}" |
+            sed -e 's/^\([-+ ]KDTREE_API_KEY=\).\{1,\}/\1<hidden>/' -e 's/^/    /' || true
     else
         echo "  create  $dest (mode ${modes[i]}) from ${sources[i]}"
     fi
@@ -192,7 +193,7 @@ echo "  back up the current version of every file above under $backups_dir/"
 if ((use_systemctl)); then
     echo "  run: ${systemctl_cmd[*]} daemon-reload"
     if ((restart)); then
-        echo "  run: ${systemctl_cmd[*]} restart --no-block $KDTREE_UNIT_NAME"
+        echo "  run: ${systemctl_cmd[*]} restart $KDTREE_UNIT_NAME"
         echo "  run: $here/healthcheck.sh --env-file $prefix$KDTREE_ENV_PATH --unit $KDTREE_UNIT_NAME; on failure $here/rollback.sh"
     fi
 fi
@@ -276,8 +277,12 @@ if ((!restart)); then
     echo "installed; the service was not restarted"
     exit 0
 fi
-# --no-block: the unit's ExecStartPost waits for the model load; our own bounded healthcheck follows it.
-timeout 300 "${systemctl_cmd[@]}" restart --no-block "$KDTREE_UNIT_NAME" || roll_back "systemctl restart failed"
+# A blocking restart returns once the old server is gone and the new one passed the unit's ExecStartPost
+# healthcheck (bounded by TimeoutStartSec=45min), so the check below cannot be answered by the old server
+# still holding the port.
+echo "restarting $KDTREE_UNIT_NAME; loading the model takes a while (follow it: journalctl -fu $KDTREE_UNIT_NAME)"
+timeout 3000 "${systemctl_cmd[@]}" restart "$KDTREE_UNIT_NAME" ||
+    roll_back "systemctl restart $KDTREE_UNIT_NAME failed (the new server did not start or did not get healthy)"
 if ! "$here/healthcheck.sh" --env-file "$prefix$KDTREE_ENV_PATH" --unit "$KDTREE_UNIT_NAME"; then
     roll_back "the healthcheck failed after the restart"
 fi

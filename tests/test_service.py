@@ -147,12 +147,12 @@ def fake_python(tmp_path: Path, report=GOOD_PYTHON_REPORT) -> Path:
     )
 
 
-def fake_systemctl(tmp_path: Path, state="active") -> tuple[Path, Path]:
+def fake_systemctl(tmp_path: Path, state="active", failing_verb="none") -> tuple[Path, Path]:
     log = tmp_path / "systemctl.log"
     script = write_executable(
         tmp_path / "fake-systemctl",
         f"#!/bin/sh\necho \"$*\" >> '{log}'\n"
-        f'case "$1" in is-active) echo {state};; show) echo 0;; esac\nexit 0\n',
+        f'case "$1" in is-active) echo {state};; show) echo 0;; {failing_verb}) exit 1;; esac\nexit 0\n',
     )
     return script, log
 
@@ -495,18 +495,19 @@ def rollback(root, *args, systemctl=None):
 def test_install_dry_run_changes_nothing(tmp_path):
     root = old_root(tmp_path)
     systemctl, log = fake_systemctl(tmp_path)
-    env_file = write_env(tmp_path / "site.env", make_site(tmp_path))
+    env_file = write_env(tmp_path / "site.env", make_site(tmp_path, KDTREE_API_KEY="s3cret"))
     before = snapshot(root)
     result = install(root, env_file, "--dry-run", systemctl=systemctl)
     assert result.returncode == 0, result.stderr
     assert snapshot(root) == before
+    assert "s3cret" not in result.stdout + result.stderr and "+KDTREE_API_KEY=<hidden>" in result.stdout
     assert systemctl_calls(log) == []
     out = result.stdout
     assert f"replace {root}{UNIT_PATH}" in out and f"replace {root}{ENV_PATH}" in out
     assert f"create  {root}{LIBEXEC}/launch.sh (mode 0755)" in out
     assert "-ExecStart=/opt/ddtree/bin/python" in out  # the unit diff is shown
     assert "+KDTREE_BUDGET=64" in out  # and the env diff
-    assert f"restart --no-block {UNIT_NAME}" in out and "dry run: nothing was changed" in out
+    assert f"restart {UNIT_NAME}" in out and "dry run: nothing was changed" in out
 
 
 def test_install_then_rollback_restores_the_old_service_byte_for_byte(tmp_path):
@@ -527,7 +528,7 @@ def test_install_then_rollback_restores_the_old_service_byte_for_byte(tmp_path):
         assert stat.S_IMODE(installed_env.stat().st_mode) == 0o640
         assert os.access(root / LIBEXEC.lstrip("/") / "launch.sh", os.X_OK)
         assert systemctl_calls(log) == ["is-active sglang-k26-ddtree", "daemon-reload",
-                                        f"restart --no-block {UNIT_NAME}", f"show -p NRestarts --value {UNIT_NAME}"]  # fmt: skip
+                                        f"restart {UNIT_NAME}", f"show -p NRestarts --value {UNIT_NAME}"]  # fmt: skip
 
         # Idempotent: the same inputs again change nothing and push no second backup.
         log.unlink(missing_ok=True)
@@ -600,6 +601,18 @@ def test_install_rolls_back_by_itself_when_the_healthcheck_fails(tmp_path):
     assert snapshot(root, include_state=False) == before
     calls = systemctl_calls(log)
     assert calls[-3:] == [f"stop {UNIT_NAME}", "daemon-reload", f"start --no-block {UNIT_NAME}"]
+
+
+def test_install_rolls_back_by_itself_when_the_restart_fails(tmp_path):
+    root = old_root(tmp_path)
+    systemctl, log = fake_systemctl(tmp_path, failing_verb="restart")
+    before = snapshot(root)
+    result = install(root, write_env(tmp_path / "site.env", make_site(tmp_path)), systemctl=systemctl)
+    assert result.returncode != 0
+    assert f"systemctl restart {UNIT_NAME} failed" in result.stderr
+    assert "the previous files were restored" in result.stderr
+    assert snapshot(root, include_state=False) == before
+    assert systemctl_calls(log)[-3:] == [f"stop {UNIT_NAME}", "daemon-reload", f"start --no-block {UNIT_NAME}"]
 
 
 @pytest.mark.parametrize(
