@@ -194,7 +194,7 @@ def test_errors_flagged_like_reference():
     x[0, 1] = float("-inf")
     with pytest.raises(ValueError, match="entirely -inf"):
         topk.topk_logprobs(x, 8, check=True)
-    lp = -torch.rand(2, 3, 4, device="cuda").sort(dim=-1, descending=True).values
+    lp = -torch.rand(2, 3, 4, device="cuda").sort(dim=-1).values  # ascending magnitudes: descending logprobs
     ids = torch.zeros(2, 3, 4, dtype=torch.int64, device="cuda")
     roots = torch.zeros(2, dtype=torch.int64, device="cuda")
     bad = lp.clone()
