@@ -257,6 +257,11 @@ for i in "${changed[@]}"; do
     tmp=$(mktemp "$dest.kdtree-new.XXXXXX")
     cp "${sources[i]}" "$tmp"
     chmod "${modes[i]}" "$tmp"
+    # Keep the owner and group of a file being replaced: a unit with User= reads the 0640 env file through
+    # its group.
+    if [[ -e $dest ]]; then
+        chown --reference="$dest" "$tmp" 2>/dev/null || kdtree_note "could not keep the owner and group of $dest"
+    fi
     mv -f "$tmp" "$dest"
     echo "installed $dest"
 done

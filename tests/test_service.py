@@ -214,6 +214,7 @@ Restart=always
 WantedBy=multi-user.target
 """
 OLD_ENV = b"MODEL=/models/k26\nPORT=30000\n"
+SERVICE_GID = 4242
 
 
 def old_root(tmp_path: Path) -> Path:
@@ -227,6 +228,8 @@ def old_root(tmp_path: Path) -> Path:
     env.parent.mkdir(parents=True)
     env.write_bytes(OLD_ENV)
     env.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(env, 0, SERVICE_GID)  # a unit with User= reads its env file through the group
     (root / "usr/local/lib").mkdir(parents=True)
     (root / "var/lib").mkdir(parents=True)
     os.utime(unit, (1_600_000_000, 1_600_000_000))
@@ -234,7 +237,7 @@ def old_root(tmp_path: Path) -> Path:
 
 
 def snapshot(root: Path, include_state=True) -> dict:
-    """Every path under root with its type, mode and bytes (file contents byte for byte)."""
+    """Every path under root with its type, mode, owner and bytes (file contents byte for byte)."""
     result = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
@@ -242,7 +245,8 @@ def snapshot(root: Path, include_state=True) -> dict:
             continue
         info = path.lstat()
         kind = "dir" if path.is_dir() else "file"
-        result[rel] = (kind, stat.S_IMODE(info.st_mode), None if kind == "dir" else path.read_bytes())
+        content = None if kind == "dir" else path.read_bytes()
+        result[rel] = (kind, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, content)
     return result
 
 
@@ -526,6 +530,8 @@ def test_install_then_rollback_restores_the_old_service_byte_for_byte(tmp_path):
         installed_env = root / ENV_PATH.lstrip("/")
         assert installed_env.read_bytes() == env_file.read_bytes()
         assert stat.S_IMODE(installed_env.stat().st_mode) == 0o640
+        if os.geteuid() == 0:
+            assert installed_env.stat().st_gid == SERVICE_GID
         assert os.access(root / LIBEXEC.lstrip("/") / "launch.sh", os.X_OK)
         assert systemctl_calls(log) == ["is-active sglang-k26-ddtree", "daemon-reload",
                                         f"restart {UNIT_NAME}", f"show -p NRestarts --value {UNIT_NAME}"]  # fmt: skip
