@@ -1,8 +1,7 @@
 // The exact DDTree best-first tree for every request of a batch in one launch. Twin of
 // reference.build_trees: bit-identical tokens, depths, parents, ranks, scores and pop order, ties included.
 //
-// One block per request (grid = bs, block = 128: all four warps validate and stage the input, then one
-// warp builds). The candidate set (<= budget + 1 entries, each pop removes
+// One warp per request (grid = bs, block = 32). The candidate set (<= budget + 1 entries, each pop removes
 // one and adds at most two) sits in shared memory as an unordered array; every pop is a warp-wide argmax
 // under the reference's total order:
 //     higher float64 score first; equal scores: the lexicographically smaller rank tuple (prefix smaller).
@@ -28,7 +27,6 @@ typedef unsigned int u32;
 #define ERR_UNSORTED 32
 #define ERR_NEGATIVE_ID 64
 
-#define VALIDATE_THREADS 128  // block size: 4 warps validate and stage, warp 0 builds
 #define MAX_NODES 1025  // root + MAX_BUDGET (1024)
 #define MAX_SLOTS 1026  // candidate slots: budget + 1, plus one of slack
 
@@ -66,7 +64,7 @@ __device__ __forceinline__ bool pops_before(double sa, u32 ma, double sb, u32 mb
 // Outputs [bs, N] (N = budget + 1): tokens/depths/parents/ranks int64, scores float64 (root and padding:
 // token 0 (root: its token), depth 0, parent -1, rank -1, score 0); num_nodes [bs] int64.
 // Dynamic shared memory: L * KS floats, KS = min(K, budget + 1).
-extern "C" __global__ void __launch_bounds__(VALIDATE_THREADS) build_trees_kernel(
+extern "C" __global__ void __launch_bounds__(32) build_trees_kernel(
     const float* __restrict__ logprobs, const long long* __restrict__ token_ids,
     const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens,
     long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,
@@ -84,28 +82,23 @@ extern "C" __global__ void __launch_bounds__(VALIDATE_THREADS) build_trees_kerne
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
 
-  // Validate the whole input (the reference checks every entry) with all four warps and stage the
-  // usable ranks; then warps 1-3 leave and warp 0 runs the pops.
+  // Validate the whole input (the reference checks every entry) and stage the usable ranks.
   int bad = 0;
-  const int total = L * K;
-#pragma unroll 4
-  for (int e = threadIdx.x; e < total; e += VALIDATE_THREADS) {
-    const int d = e / K, k = e - d * K;
-    const float x = lp[e];
-    if (x != x) bad |= ERR_LOGPROB_NAN;
-    else if (x == INFINITY) bad |= ERR_LOGPROB_POSINF;
-    if (k + 1 < K && (double)lp[e + 1] > (double)x) bad |= ERR_UNSORTED;
-    if (ids[e] < 0) bad |= ERR_NEGATIVE_ID;
-    if (k < KS) S[d * KS + k] = x;
+  for (int d = 0; d < L; ++d) {
+    for (int k = lane; k < K; k += 32) {
+      const float x = lp[d * K + k];
+      if (x != x) bad |= ERR_LOGPROB_NAN;
+      else if (x == INFINITY) bad |= ERR_LOGPROB_POSINF;
+      if (k + 1 < K && (double)lp[d * K + k + 1] > (double)x) bad |= ERR_UNSORTED;
+      if (ids[d * K + k] < 0) bad |= ERR_NEGATIVE_ID;
+      if (k < KS) S[d * KS + k] = x;
+    }
   }
   if (bad) atomicOr(err, bad);
-  if (threadIdx.x == 0) {
-    node_parent[0] = -1;
-    node_rank[0] = 0;
-    node_depth[0] = 0;
-  }
-  __syncthreads();
-  if (threadIdx.x >= 32) return;
+  node_parent[0] = -1;
+  node_rank[0] = 0;
+  node_depth[0] = 0;
+  __syncwarp();
 
   int n = 0, size = 0;
   if (budget > 0 && L > 0 && isfinite((double)S[0])) {
@@ -122,7 +115,6 @@ extern "C" __global__ void __launch_bounds__(VALIDATE_THREADS) build_trees_kerne
     int best = -1;
     double bs_ = 0.0;
     u32 bm = 0;
-#pragma unroll 4
     for (int i = lane; i < size; i += 32) {
       const double sc = slot_score[i];
       const u32 mt = slot_meta[i];

@@ -140,15 +140,6 @@ __device__ __forceinline__ void find_bucket(const u32* hist, int nb, u32 k, u32*
   __syncthreads();
 }
 
-// Histogram increment aggregated over the lanes of a warp that hit the same bin: peaked logits put most
-// of a chunk into a handful of bins, and same-address shared atomics would serialise.
-__device__ __forceinline__ void hist_add(u32* hist, bool active, u32 bin) {
-  const u32 act = __ballot_sync(0xffffffffu, active);
-  if (!active) return;
-  const u32 peers = __match_any_sync(act, bin);
-  if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
-}
-
 // Radix passes over the 32-bit key, most significant digit first. bf16 keys have 16 significant bits, so
 // two digits (11 + 5) resolve them; fp32 keys need three (11 + 11 + 10).
 template <typename T> struct Digits;
@@ -256,8 +247,8 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
     for (int j = 0; j < NVEC; ++j)
 #pragma unroll
       for (int v = 0; v < VEC; ++v)
-        hist_add(hist, (j * CHUNK_THREADS + tid) * VEC + v < n && (key[j][v] & pmask) == prefix,
-                 (key[j][v] >> shift) & (nb - 1));
+        if ((j * CHUNK_THREADS + tid) * VEC + v < n && (key[j][v] & pmask) == prefix)
+          atomicAdd(&hist[(key[j][v] >> shift) & (nb - 1)], 1u);
     __syncthreads();
     find_bucket<CHUNK_THREADS>(hist, nb, k_rem, scratch, sel);
     const u32 d = sel[0], above = sel[1], cnt = sel[2];
@@ -401,11 +392,10 @@ __device__ __forceinline__ void topk_merge(const u32* __restrict__ cand_keys, co
     const int shift = MergeDigits::shift(p), nb = 1 << MergeDigits::bits(p);
     for (int b = tid; b < nb; b += MERGE_THREADS) hist[b] = 0;
     __syncthreads();
-    for (int t0 = 0; t0 < items; t0 += MERGE_THREADS) {  // whole warps iterate together (hist_add)
-      const int t = t0 + tid;
-      const bool ok = t < items && ITEM_VALID(t);
-      const u32 k = ok ? keys[t] : 0u;
-      hist_add(hist, ok && (k & pmask) == prefix, (k >> shift) & (nb - 1));
+    for (int t = tid; t < items; t += MERGE_THREADS) {
+      if (!ITEM_VALID(t)) continue;
+      const u32 k = keys[t];
+      if ((k & pmask) == prefix) atomicAdd(&hist[(k >> shift) & (nb - 1)], 1u);
     }
     __syncthreads();
     find_bucket<MERGE_THREADS>(hist, nb, k_rem, scratch, sel);

@@ -155,7 +155,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
         raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
     fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - _STATIC_SMEM
     with runtime.current_stream():
-        fn((bs,), (128,),
+        fn((bs,), (32,),
            (_ptr(lp), _ptr(ids), _ptr(roots), np.int32(depth), np.int32(k), np.int32(max(budget, 0)), np.int32(ks),
             _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents), _ptr(out.ranks), _ptr(out.scores),
             _ptr(out.num_nodes), _ptr(error_flag)),
