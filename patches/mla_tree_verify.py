@@ -153,5 +153,10 @@ def register() -> None:
     """Register both AROUND hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    import torch
+
     HookRegistry.register(TRITON_TARGET, triton_forward_extend, HookType.AROUND)
-    HookRegistry.register(FA3_TARGET, fa3_forward_extend, HookType.AROUND)
+    # fa3's module needs libcuda at import; on a machine without CUDA there is nothing to wrap, and SGLang
+    # would log a failed hook application in every process.
+    if torch.cuda.is_available():
+        HookRegistry.register(FA3_TARGET, fa3_forward_extend, HookType.AROUND)

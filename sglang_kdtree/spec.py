@@ -8,7 +8,7 @@ SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` 
 * **Draft block**: ``--speculative-dflash-block-size`` (optional; else the DFlash drafter's config) gives
   ``L = block_size - 1`` draft depths, ``2 <= block_size <= 32``.
 * **Attention backend** for the target's tree verify must honour a tree mask: ``fa3`` or ``triton`` (MHA and
-  MLA) or ``flashinfer`` (MHA) on CUDA; ``torch_native`` / ``intel_amx`` on CPU. ``flashmla``, ``trtllm_mla``,
+  MLA) or ``flashinfer`` (MHA only: on an MLA model it becomes ``flashinfer_mla``) on CUDA; ``torch_native`` / ``intel_amx`` on CPU. ``flashmla``, ``trtllm_mla``,
   ``flashinfer_mla``, ``cutedsl_mla`` and ``trtllm_mha`` plan causal attention and would silently verify a
   chain: refused.
 * ``--page-size 1`` only (the tree's KV rows are compacted slot by slot).
@@ -47,6 +47,20 @@ SUPPORTS_OVERLAP = False
 
 def _device_type(device) -> str:
     return str(device or "cuda").split(":", 1)[0]
+
+
+def _is_mla_model(server_args) -> bool | None:
+    """Whether the target uses MLA attention (None when the model config cannot be read at this point)."""
+    from sglang.srt.arg_groups.model_override_base import use_mla_backend
+
+    try:  # SGLang hands plugins a write-recording stand-in whose `_cfg` is the resolving view
+        view = object.__getattribute__(server_args, "_cfg")
+    except AttributeError:
+        view = server_args
+    try:
+        return bool(use_mla_backend(view))
+    except Exception:  # no readable config (e.g. a remote id): the attention backend decides at model load
+        return None
 
 
 def budget_of(server_args) -> int:
@@ -109,6 +123,12 @@ def validate_server_args(server_args) -> None:
         raise ValueError(
             f"KDTREE: {flag} {value} {why}; use {flag} {allowed[0]} "
             f"(supported on {device}: {', '.join(allowed)})"
+        )
+    if "flashinfer" in {sa.attention_backend, sa.decode_attention_backend} and _is_mla_model(sa):
+        raise ValueError(
+            "KDTREE: --attention-backend flashinfer on an MLA model (DeepSeek-V3 / Kimi K2) runs flashinfer_mla, "
+            "which plans causal attention for target verify and ignores the tree mask; use --attention-backend "
+            "fa3 (Hopper) or triton"
         )
     if sa.page_size is not None and int(sa.page_size) != 1:
         raise ValueError(

@@ -129,15 +129,21 @@ def test_targets_exist_with_the_assumed_arguments(target):
         assert params[7:9] == ["q_rope", "k_rope"]
 
 
-def test_register_adds_around_hooks_for_both_backends(monkeypatch):
+@pytest.mark.parametrize("cuda", [True, False])
+def test_register_adds_around_hooks_for_both_backends(monkeypatch, cuda):
+    """Both backends are wrapped on CUDA; without CUDA the fa3 module cannot even import, so it is skipped."""
     from collections import defaultdict
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     hook.register()
-    for target, fn in ((hook.TRITON_TARGET, hook.triton_forward_extend), (hook.FA3_TARGET, hook.fa3_forward_extend)):
-        assert [(t, h) for t, h, _ in HookRegistry._hooks[target]] == [(HookType.AROUND, fn)]
+    assert [(t, h) for t, h, _ in HookRegistry._hooks[hook.TRITON_TARGET]] == [
+        (HookType.AROUND, hook.triton_forward_extend)
+    ]
+    fa3 = [(t, h) for t, h, _ in HookRegistry._hooks[hook.FA3_TARGET]]
+    assert fa3 == ([(HookType.AROUND, hook.fa3_forward_extend)] if cuda else [])
 
 
 def test_triton_routes_kdtree_verify_to_kernel(calls):

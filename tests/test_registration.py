@@ -40,17 +40,39 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def mla_model_dir(tmp_path_factory):
+    """A config-only DeepSeek-V3-style (MLA + MoE) checkpoint directory."""
+    d = tmp_path_factory.mktemp("tiny_deepseek")
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+                "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "kv_lora_rank": 32, "q_lora_rank": None,
+                "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+                "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+                "rope_theta": 10000.0,
+            }
+        )
+    )
+    return str(d)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def plugins_loaded():
     load_plugins()
 
 
-def resolve(model_dir, *extra, overlap_off=True):
+def resolve(model_dir, *extra, overlap_off=True, device="cpu"):
     argv = [
         "--model-path", model_dir,
         "--speculative-algorithm", "kdtree",
         "--speculative-draft-model-path", model_dir,
-        "--device", "cpu",
+        "--device", device,
     ]
     if overlap_off:
         argv.append("--disable-overlap-schedule")
@@ -150,3 +172,16 @@ def test_worker_factory_never_falls_back(monkeypatch, model_dir):
     monkeypatch.setattr(builtins, "__import__", no_worker)
     with pytest.raises(plugin.WorkerUnavailableError, match="refusing to fall back"):
         algo.factory(None)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "triton"])
+def test_cuda_mla_target_accepts_tree_mask_backends(mla_model_dir, backend):
+    # argument resolution only reads config.json, so a CUDA configuration can be checked on a CPU machine
+    cfg = resolve(mla_model_dir, "--attention-backend", backend, device="cuda")
+    assert cfg.attention_backend == backend and cfg.speculative_eagle_topk == 2
+
+
+def test_flashinfer_is_refused_for_mla_but_allowed_for_mha(model_dir, mla_model_dir):
+    with pytest.raises(ValueError, match=r"flashinfer on an MLA model .* use --attention-backend fa3"):
+        resolve(mla_model_dir, "--attention-backend", "flashinfer", device="cuda")
+    assert resolve(model_dir, "--attention-backend", "flashinfer", device="cuda").attention_backend == "flashinfer"
