@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 #: Patch modules, in registration order.
-PATCH_MODULES: tuple[str, ...] = ("mla_tree_verify",)
+PATCH_MODULES: tuple[str, ...] = ("mla_tree_verify", "marlin_moe")
 
 
 def register_all() -> None:
