@@ -62,21 +62,27 @@ extern "C" __global__ void commit_plan_i32(const i64* accepted, const i64* accep
                    errors);
 }
 
-// Rows moved per block are held in registers: UNITS_PER_THREAD units of `Unit` per thread per tile.
+// Rows moved per block are held in registers: UNITS_PER_THREAD units of `Unit` per thread per tile. With
+// 256 threads a tile holds 2048 units, i.e. 15 moving MLA rows (15 x 72 x 16 B) in one tile. At <= 64
+// registers 4 blocks stay resident per SM: 128 KB of loads in flight per SM, which is what HBM latency x
+// bandwidth asks for (Little's law: ~4 TB/s x ~1.5 us over 132 SMs is ~48 KB per SM).
 #define UNITS_PER_THREAD 8
+#define COMPACT_THREADS 256
 #define MAX_ROWS 1025
 
-// grid = (layers, bs, column splits); block = 256 threads.
-// Each block moves the moving rows (src != dst) of one request in one layer, for its column split,
-// tile by tile: a tile covers all moving rows and as many columns as fit in registers.
+// grid = (layer groups, bs, column splits); block = COMPACT_THREADS.
+// Each block moves the moving rows (src != dst) of one request in layers_per_block layers (the plan is
+// read once and reused for every layer), for its column split, tile by tile: a tile covers all moving
+// rows and as many columns as fit in registers.
 template <typename Unit>
-__device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units,
-                             i64 num_slots, const i64* src_slots, const i64* dst_slots, const i64* accept_lens,
-                             int M, int* errors) {
-  __shared__ i64 s_src[MAX_ROWS];
+__device__ void compact_impl(const unsigned long long* layer_ptrs, int num_layers, int layers_per_block,
+                             i64 slot_stride_units, i64 row_units, i64 num_slots, const i64* src_slots,
+                             const i64* dst_slots, const i64* accept_lens, int M, int* errors) {
+  __shared__ i64 s_src[MAX_ROWS];  // unit offset of each moving row's source slot
   __shared__ i64 s_dst[MAX_ROWS];
   __shared__ int s_moving;
-  const int layer = blockIdx.x, b = blockIdx.y;
+  const int layer_lo = blockIdx.x * layers_per_block, b = blockIdx.y;
+  const int layer_hi = min(num_layers, layer_lo + layers_per_block);
   i64 tau = accept_lens[b];
   tau = tau < 0 ? 0 : (tau > M ? M : tau);
   if (threadIdx.x == 0) s_moving = 0;
@@ -90,18 +96,17 @@ __device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stri
       bad = true;
     } else if (s != d) {
       const int k = atomicAdd(&s_moving, 1);
-      s_src[k] = s;
-      s_dst[k] = d;
+      s_src[k] = s * slot_stride_units;  // unit offsets of the rows, computed once for every layer
+      s_dst[k] = d * slot_stride_units;
     }
   }
   bad = __syncthreads_or(bad);
   if (bad) {
-    if (threadIdx.x == 0 && layer == 0 && blockIdx.z == 0) atomicOr(errors, ERR_BAD_SLOT);
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0) atomicOr(errors, ERR_BAD_SLOT);
     return;
   }
   const int moving = s_moving;
   if (moving == 0) return;
-  Unit* base = reinterpret_cast<Unit*>(layer_ptrs[layer]);
   // this block's column split
   const i64 per_split = (row_units + gridDim.z - 1) / gridDim.z;
   const i64 col_lo = blockIdx.z * per_split;
@@ -110,41 +115,44 @@ __device__ void compact_impl(const unsigned long long* layer_ptrs, i64 slot_stri
   const i64 capacity = (i64)blockDim.x * UNITS_PER_THREAD;
   i64 width = capacity / moving;
   if (width < 1) width = 1;
-  for (i64 c0 = col_lo; c0 < col_hi; c0 += width) {
-    // 32-bit index math: a tile holds at most blockDim * UNITS_PER_THREAD units (64-bit division is slow)
-    const int w = (int)min(width, col_hi - c0);
-    const int items = w * moving;
-    Unit held[UNITS_PER_THREAD];
+  for (int layer = layer_lo; layer < layer_hi; ++layer) {
+    // layers are separate buffers: the next layer's reads need no barrier against this layer's writes
+    Unit* base = reinterpret_cast<Unit*>(layer_ptrs[layer]);
+    for (i64 c0 = col_lo; c0 < col_hi; c0 += width) {
+      // 32-bit index math: a tile holds at most blockDim * UNITS_PER_THREAD units (64-bit division is slow)
+      const int w = (int)min(width, col_hi - c0);
+      const int items = w * moving;
+      Unit held[UNITS_PER_THREAD];
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; ++k) {
-      const int idx = threadIdx.x + k * blockDim.x;
-      if (idx < items) {
-        const int r = idx / w;
-        const i64 c = c0 + idx % w;
-        held[k] = base[s_src[r] * slot_stride_units + c];
+      for (int k = 0; k < UNITS_PER_THREAD; ++k) {
+        const int idx = threadIdx.x + k * blockDim.x;
+        if (idx < items) {
+          const int r = idx / w;
+          held[k] = base[s_src[r] + c0 + idx % w];
+        }
       }
-    }
-    // every source of this tile is read before any destination of it is written
-    __syncthreads();
+      // every source of this tile is read before any destination of it is written
+      __syncthreads();
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; ++k) {
-      const int idx = threadIdx.x + k * blockDim.x;
-      if (idx < items) {
-        const int r = idx / w;
-        const i64 c = c0 + idx % w;
-        base[s_dst[r] * slot_stride_units + c] = held[k];
+      for (int k = 0; k < UNITS_PER_THREAD; ++k) {
+        const int idx = threadIdx.x + k * blockDim.x;
+        if (idx < items) {
+          const int r = idx / w;
+          base[s_dst[r] + c0 + idx % w] = held[k];
+        }
       }
+      // the next tile touches other columns only, so it needs no barrier against these writes
     }
-    // the next tile touches other columns only, so it needs no barrier against these writes
   }
 }
 
 #define COMPACT_ENTRY(NAME, UNIT)                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned long long* layer_ptrs, i64 slot_stride_units, i64 row_units, \
-                                  i64 num_slots, const i64* src_slots, const i64* dst_slots,                  \
-                                  const i64* accept_lens, int M, int* errors) {                               \
-    compact_impl<UNIT>(layer_ptrs, slot_stride_units, row_units, num_slots, src_slots, dst_slots, accept_lens,\
-                       M, errors);                                                                            \
+  extern "C" __global__ void __launch_bounds__(COMPACT_THREADS, 4)                                           \
+      NAME(const unsigned long long* layer_ptrs, int num_layers, int layers_per_block, i64 slot_stride_units,  \
+           i64 row_units, i64 num_slots, const i64* src_slots, const i64* dst_slots, const i64* accept_lens,   \
+           int M, int* errors) {                                                                              \
+    compact_impl<UNIT>(layer_ptrs, num_layers, layers_per_block, slot_stride_units, row_units, num_slots,     \
+                       src_slots, dst_slots, accept_lens, M, errors);                                         \
   }
 
 COMPACT_ENTRY(compact_kv_16B, uint4)

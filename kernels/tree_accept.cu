@@ -14,7 +14,8 @@
 //     sample of softmax(logits/T) restricted by SGLang's top-k / top-p. Sampling only the visited nodes
 //     has the same distribution as sampling every node and then walking (unvisited draws never matter).
 //
-// Errors are bits atomically OR-ed into errors[0] (no host sync here; see sglang_kdtree/gpu/accept.py).
+// Errors: each block gathers its request's bits in shared memory and stores them to errors[b] (int64 [bs];
+// no zero-initialised flag, no host sync; see sglang_kdtree/gpu/errors.py).
 
 #define ERR_NUM_NODES 1      // num_nodes[b] outside [0, N-1]; clamped
 #define ERR_BAD_PARENT 2     // parents[i] outside [0, i) for a live node; the node is unlinked
@@ -38,21 +39,32 @@ template <typename Elem>
 __device__ __forceinline__ float load_elem(const Elem* p, i64 i) { return to_float(__ldg(p + i)); }
 
 // Apply f(value, index) to every element of row [0, V) this thread owns. 16-byte loads when the row is
-// aligned (HBM/L2 transactions are 32 B sectors; one 16 B load per lane keeps a warp's request at 512 B),
-// unrolled so several loads are in flight per thread: one block reads a whole 300 KB vocabulary row.
+// aligned, issued LOADS_IN_FLIGHT at a time before any is consumed: one block reads a whole 300 KB
+// vocabulary row, and a single SM only approaches its share of HBM bandwidth with many bytes in flight.
+#define LOADS_IN_FLIGHT 4
 template <typename Elem, typename F>
 __device__ __forceinline__ void for_each_in_row(const Elem* row, i64 V, bool vec_ok, F f) {
   constexpr int PER_VEC = 16 / sizeof(Elem);
   i64 start = 0;
   if (vec_ok) {
     const uint4* vrow = reinterpret_cast<const uint4*>(row);
-    i64 nvec = V / PER_VEC;
-#pragma unroll 4
-    for (i64 q = threadIdx.x; q < nvec; q += blockDim.x) {
-      uint4 w = __ldg(vrow + q);
-      const Elem* e = reinterpret_cast<const Elem*>(&w);
+    const i64 nvec = V / PER_VEC;
+    for (i64 q0 = threadIdx.x; q0 < nvec; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
+      uint4 w[LOADS_IN_FLIGHT];
 #pragma unroll
-      for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
+      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+        const i64 q = q0 + (i64)u * blockDim.x;
+        if (q < nvec) w[u] = __ldg(vrow + q);
+      }
+#pragma unroll
+      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+        const i64 q = q0 + (i64)u * blockDim.x;
+        if (q < nvec) {
+          const Elem* e = reinterpret_cast<const Elem*>(&w[u]);
+#pragma unroll
+          for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
+        }
+      }
     }
     start = nvec * PER_VEC;
   }
@@ -299,7 +311,8 @@ __device__ int load_tree(const i64* parents, const i64* num_nodes, int b, int N,
 
 // Writes the padding after the walk: accepted[tau..M) = -1, committed[tau..C) = -1.
 __device__ void finish(int b, int tau, int cur, i64 bonus, int M, int C, const i64* seq_lens, i64* accepted,
-                       i64* accept_lens, i64* bonus_out, i64* committed, i64* new_seq_lens) {
+                       i64* accept_lens, i64* bonus_out, i64* committed, i64* new_seq_lens, const int* s_err,
+                       i64* errors_out) {
   for (int j = tau + threadIdx.x; j < M; j += blockDim.x) accepted[(i64)b * M + j] = -1;
   for (int j = tau + threadIdx.x; j < C; j += blockDim.x) committed[(i64)b * C + j] = -1;
   if (threadIdx.x == 0) {
@@ -308,17 +321,22 @@ __device__ void finish(int b, int tau, int cur, i64 bonus, int M, int C, const i
     bonus_out[b] = bonus;
     if (seq_lens != nullptr) new_seq_lens[b] = seq_lens[b] + tau;
   }
+  __syncthreads();  // every thread's error bits are in s_err
+  if (threadIdx.x == 0) errors_out[b] = *s_err;
 }
 
 // 256 threads: one or a few nodes each (N <= 1025)
 extern "C" __global__ void __launch_bounds__(256) accept_ids(const i64* tokens, const i64* parents, const i64* num_nodes,
                                       const i64* target_ids, const i64* seq_lens, int N, int M, int C,
                                       i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
-                                      i64* new_seq_lens, int* errors) {
+                                      i64* new_seq_lens, i64* errors_out) {
   __shared__ short par[MAX_WIDTH];
   __shared__ int first_hit[MAX_WIDTH];
-  __shared__ int s_tau, s_cur;
+  __shared__ int s_tau, s_cur, s_err;
   const int b = blockIdx.x;
+  int* errors = &s_err;
+  if (threadIdx.x == 0) s_err = 0;
+  __syncthreads();
   const int n = load_tree(parents, num_nodes, b, N, par, errors);
   for (int i = threadIdx.x; i <= n; i += blockDim.x) first_hit[i] = NO_CHILD;
   __syncthreads();
@@ -345,7 +363,8 @@ extern "C" __global__ void __launch_bounds__(256) accept_ids(const i64* tokens, 
     s_cur = cur;
   }
   __syncthreads();
-  finish(b, s_tau, s_cur, tgt[s_cur], M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens);
+  finish(b, s_tau, s_cur, tgt[s_cur], M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens,
+         &s_err, errors_out);
 }
 
 // Lazy walk over logits: each step reads only row b*N+cur (argmax or sample), then finds the lowest child
@@ -355,11 +374,14 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
                                    i64 V, i64 ld, const i64* seq_lens, const float* temperatures,
                                    const i64* top_ks, const float* top_ps, const i64* seeds, int N, int M, int C,
                                    i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
-                                   i64* new_seq_lens, int* errors) {
+                                   i64* new_seq_lens, i64* errors_out) {
   __shared__ short par[MAX_WIDTH];
-  __shared__ int s_next;
+  __shared__ int s_next, s_err;
   __shared__ SampleScratch scratch;
   const int b = blockIdx.x;
+  int* errors = &s_err;
+  if (threadIdx.x == 0) s_err = 0;
+  __syncthreads();
   const int n = load_tree(parents, num_nodes, b, N, par, errors);
   __syncthreads();
   const i64* tok = tokens + (i64)b * N;
@@ -406,7 +428,8 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
     ++tau;
     cur = nxt;
   }
-  finish(b, tau, cur, choice, M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens);
+  finish(b, tau, cur, choice, M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens, &s_err,
+         errors_out);
 }
 
 #define ACCEPT_LOGITS_ENTRY(NAME, ELEM, SAMPLED)                                                              \
@@ -414,7 +437,7 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
                                   const ELEM* logits, i64 V, i64 ld, const i64* seq_lens,                     \
                                   const float* temperatures, const i64* top_ks, const float* top_ps,          \
                                   const i64* seeds, int N, int M, int C, i64* accepted, i64* accept_lens,     \
-                                  i64* bonus_out, i64* committed, i64* new_seq_lens, int* errors) {           \
+                                  i64* bonus_out, i64* committed, i64* new_seq_lens, i64* errors) {           \
     accept_logits_impl<ELEM, SAMPLED>(tokens, parents, num_nodes, logits, V, ld, seq_lens, temperatures,     \
                                       top_ks, top_ps, seeds, N, M, C, accepted, accept_lens, bonus_out,      \
                                       committed, new_seq_lens, errors);                                      \

@@ -19,7 +19,7 @@ Outputs (``GPUAcceptResult``), all on the trees' device:
 * ``committed``    ``[bs, N]`` int64, row stride N: the tau committed tokens (path tokens, then bonus),
   -1 padded; ``committed.reshape(-1)`` is SGLang's ``next_token_ids`` with stride N;
 * ``new_seq_lens`` ``[bs]`` int64 ``seq_lens + tau`` (None when ``seq_lens`` is not given);
-* ``errors``       ``int32 [1]`` device error bits (see ``sglang_kdtree.gpu.errors``; zero when valid).
+* ``errors``       ``[bs]`` int64 per-request device error bits (``sglang_kdtree.gpu.errors``; 0 when valid).
 
 Validation: shapes, dtypes, devices and ``max_depth`` are checked here on the host (TypeError /
 ValueError); values that need the data (num_nodes range, parents < i, NaN logits, a path longer than
@@ -32,7 +32,7 @@ import functools
 from dataclasses import dataclass
 
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.errors import raise_on_device_error
+from sglang_kdtree.gpu.errors import launch_stream, raise_on_device_error
 
 __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "MAX_WIDTH", "MAX_VOCAB"]
 
@@ -97,8 +97,8 @@ def _check_max_depth(max_depth, width):
         return width - 1
     if isinstance(max_depth, bool) or not isinstance(max_depth, int):
         raise TypeError(f"max_depth must be an int, got {type(max_depth).__name__} {max_depth!r}")
-    if not 0 <= max_depth <= width - 1:
-        raise ValueError(f"max_depth = {max_depth} is outside [0, N-1 = {width - 1}]")
+    if max_depth < 0:
+        raise ValueError(f"max_depth = {max_depth} must be >= 0 (pass the draft depth L)")
     return max_depth
 
 
@@ -145,24 +145,27 @@ def _outputs(bs, width, max_depth, device, with_seq_lens, out):
             "accept_lens": (bs,),
             "bonus": (bs,),
             "committed": (bs, width),
-            "errors": (1,),
+            "errors": (bs,),
         }
         for name, shape in expect.items():
             t = getattr(out, name)
-            _require_tensor(f"out.{name}", t, torch.int32 if name == "errors" else torch.int64, None, device)
+            _require_tensor(f"out.{name}", t, torch.int64, None, device)
             if tuple(t.shape) != shape or not t.is_contiguous():
                 raise ValueError(f"out.{name} must be a contiguous {shape} tensor, got {tuple(t.shape)}")
         if with_seq_lens:
             _require_tensor("out.new_seq_lens", out.new_seq_lens, torch.int64, 1, device)
         return out
-    kw = dict(dtype=torch.int64, device=device)
+    # one allocation for every output: allocator calls are a visible part of the launch cost
+    m = max_depth + 1
+    flat = torch.empty(bs * (m + width + 4), dtype=torch.int64, device=device)
+    parts = torch.split(flat, [bs * m, bs * width, bs, bs, bs, bs])
     return GPUAcceptResult(
-        accepted=torch.empty((bs, max_depth + 1), **kw),
-        accept_lens=torch.empty(bs, **kw),
-        bonus=torch.empty(bs, **kw),
-        committed=torch.empty((bs, width), **kw),
-        new_seq_lens=torch.empty(bs, **kw) if with_seq_lens else None,
-        errors=torch.zeros(1, dtype=torch.int32, device=device),
+        accepted=parts[0].view(bs, m),
+        accept_lens=parts[2],
+        bonus=parts[3],
+        committed=parts[1].view(bs, width),
+        new_seq_lens=parts[4] if with_seq_lens else None,
+        errors=parts[5],
     )
 
 
@@ -187,9 +190,10 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
             (argmax fused; ties go to the lower token id; only the rows on the accepted path are read);
             or argmax ids ``[bs*N]`` / ``[bs, N]`` int64.
         max_depth: ``accepted`` has ``max_depth + 1`` columns (pass the draft depth L); default N - 1.
-            A longer path is truncated and flagged (the reference raises).
+            A longer path is truncated and flagged (the reference raises). May exceed N - 1 (e.g. L = 15 with
+            a budget of 4): the extra columns stay -1.
         seq_lens: ``[bs]`` int64 committed lengths P before this round; gives ``new_seq_lens = P + tau``.
-        out: optional preallocated ``GPUAcceptResult`` (e.g. for CUDA graphs); its ``errors`` must be zeroed.
+        out: optional preallocated ``GPUAcceptResult`` (e.g. for CUDA graphs); every field is overwritten.
 
     Returns:
         ``GPUAcceptResult`` (module docstring); no host sync.
@@ -218,7 +222,7 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
     common_out = (_ptr(res.accepted), _ptr(res.accept_lens), _ptr(res.bonus), _ptr(res.committed),
                   _ptr(res.new_seq_lens if seq_lens is not None else None), _ptr(res.errors))
     dims = (np.int32(width), np.int32(max_depth + 1), np.int32(width))
-    with runtime.current_stream():
+    with launch_stream():
         if ids:
             _kernel("accept_ids")(
                 (bs,), (_ACCEPT_THREADS_IDS,),
@@ -298,7 +302,7 @@ def accept_sampled(
     if bs == 0:
         return res
     name = "accept_sampled_f32" if t.dtype == torch.float32 else "accept_sampled_bf16"
-    with runtime.current_stream():
+    with launch_stream():
         _kernel(name)(
             (bs,), (_ACCEPT_THREADS_LOGITS,),
             (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),

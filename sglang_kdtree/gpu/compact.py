@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.errors import new_error_flag
+from sglang_kdtree.gpu.errors import launch_stream, new_error_flag
 
 __all__ = [
     "GPUCommitPlan",
@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 _PLAN_THREADS = 128
-_COMPACT_THREADS = 256
+_COMPACT_THREADS = 256  # = COMPACT_THREADS in kv_compact.cu
+#: blocks resident at once on an H200 (132 SMs x 4 compaction blocks); several waves balance the tail
+_RESIDENT_BLOCKS = 132 * 4
 _GATHER_THREADS = 128
 _MAX_ROWS = 1025
 #: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
@@ -206,7 +208,7 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommi
     if bs == 0 or m == 0:
         return plan
     name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
-    with runtime.current_stream():
+    with launch_stream():
         _kernel("kv_compact.cu", name)(
             (bs,), (_PLAN_THREADS,),
             (_ptr(accepted.contiguous()), _ptr(accept_lens.contiguous()), _ptr(verify_slots),
@@ -254,14 +256,18 @@ def compact_kv(kv, plan, *, errors=None):
         return errors
     unit = table.unit_bytes
     row_units = table.row_bytes // unit
-    # split rows by columns only when layers x requests alone would leave SMs idle
-    blocks = table.num_layers * bs
+    # large batches: several layers per block (the plan is read once per block); small batches: split the
+    # rows by columns so layers x requests still fill the SMs
+    layers_per_block = max(1, min(table.num_layers, table.num_layers * bs // (3 * _RESIDENT_BLOCKS)))
+    groups = -(-table.num_layers // layers_per_block)
+    blocks = groups * bs
     splits = max(1, min(-(-_TARGET_BLOCKS // blocks), row_units // 8 or 1))
     kernel = _kernel("kv_compact.cu", {16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
-    with runtime.current_stream():
+    with launch_stream():
         kernel(
-            (table.num_layers, bs, splits), (_COMPACT_THREADS,),
-            (_ptr(table.layer_ptrs), np.int64(table.slot_stride_bytes // unit), np.int64(row_units),
+            (groups, bs, splits), (_COMPACT_THREADS,),
+            (_ptr(table.layer_ptrs), np.int32(table.num_layers), np.int32(layers_per_block),
+             np.int64(table.slot_stride_bytes // unit), np.int64(row_units),
              np.int64(table.num_slots), _ptr(src.contiguous()), _ptr(dst.contiguous()), _ptr(lens.contiguous()),
              np.int32(m), _ptr(errors)),
         )
@@ -309,7 +315,7 @@ def gather_hidden(hidden, plan, *, errors=None):
         unit = 4
     if row_bytes % unit or ld_bytes % unit:
         raise ValueError(f"hidden rows of {row_bytes} bytes are not a multiple of 2 bytes")
-    with runtime.current_stream():
+    with launch_stream():
         _kernel("gather_hidden.cu", {16: "gather_hidden_16B", 4: "gather_hidden_4B", 2: "gather_hidden_2B"}[unit])(
             (bs * m,), (_GATHER_THREADS,),
             (_ptr(hidden), np.int64(ld_bytes // unit), np.int64(hidden.shape[0]), np.int64(row_bytes // unit),

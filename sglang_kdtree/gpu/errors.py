@@ -1,15 +1,20 @@
-"""The device-side error flag shared by the accept and commit kernels.
+"""Device-side error bits of the accept and commit kernels, and the stream they launch on.
 
 The kernels never sync the host: a value error they can only see in the data (a slot out of range, a
-NaN logit, a path longer than ``max_depth``) sets a bit in an ``int32 [1]`` CUDA tensor and the kernel
-skips or clamps the offending item (it never writes out of range). ``raise_on_device_error`` syncs,
-reads the bits and raises ``ValueError`` naming each problem; call it where a sync is acceptable (tests,
-debugging, a periodic health check), never on the hot path.
+NaN logit, a path longer than ``max_depth``) sets a bit and the kernel skips or clamps the offending item
+(it never writes out of range). The commit kernels OR bits into an ``int32 [1]`` flag; the accept kernels
+store each request's bits to an ``int64 [bs]`` tensor (no zero-filled flag to launch first).
+``raise_on_device_error`` syncs, ORs the bits and raises ``ValueError`` naming each problem; call it
+where a sync is acceptable (tests, debugging, a periodic health check), never on the hot path.
 """
 
 from __future__ import annotations
 
-__all__ = ["DEVICE_ERRORS", "new_error_flag", "describe_device_error", "raise_on_device_error"]
+__all__ = ["DEVICE_ERRORS", "new_error_flag", "error_bits", "describe_device_error", "raise_on_device_error",
+           "launch_stream"]
+
+import functools
+import warnings
 
 #: bit -> meaning; the bits are defined in kernels/tree_accept.cu, kv_compact.cu and gather_hidden.cu.
 DEVICE_ERRORS = {
@@ -31,6 +36,32 @@ def new_error_flag(device):
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def error_bits(errors) -> int:
+    """OR of every entry of an error tensor (syncs)."""
+    out = 0
+    for v in errors.reshape(-1).tolist():
+        out |= int(v)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int):
+    import cupy
+
+    # CuPy 14 deprecates ExternalStream with a warning per construction; built once per torch stream,
+    # it costs nothing per launch (building and warning on every call cost tens of microseconds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle)
+
+
+def launch_stream():
+    """torch's current CUDA stream as a (cached) CuPy stream, for ``with launch_stream(): kernel(...)``."""
+    import torch
+
+    return _external_stream(torch.cuda.current_stream().cuda_stream)
+
+
 def describe_device_error(bits: int) -> list[str]:
     return [msg for bit, msg in DEVICE_ERRORS.items() if bits & bit] + (
         [f"unknown error bits {bits & ~sum(DEVICE_ERRORS):#x}"] if bits & ~sum(DEVICE_ERRORS) else []
@@ -39,6 +70,6 @@ def describe_device_error(bits: int) -> list[str]:
 
 def raise_on_device_error(errors, what: str = "kernel") -> None:
     """Sync and raise ``ValueError`` if any bit is set in the ``errors`` flag tensor."""
-    bits = int(errors.item())
+    bits = error_bits(errors)
     if bits:
         raise ValueError(f"{what} reported invalid input (error bits {bits:#x}): " + "; ".join(describe_device_error(bits)))

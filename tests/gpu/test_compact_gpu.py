@@ -102,14 +102,15 @@ def _check_compact(kv_layers_np, plan_np, table_arg, torch_layers, errors_expect
     np.testing.assert_array_equal(got, expect)
 
 
-@pytest.mark.parametrize("bs,layers", [(1, 61), (13, 5), (128, 3)])
-def test_mla_pool_byte_exact(bs, layers):
-    """SGLang MLA layout: one [slots, 1, 576] bf16 buffer per layer, random bits (NaN patterns too)."""
+@pytest.mark.parametrize("bs,layers,width", [(1, 61, 65), (13, 5, 65), (128, 3, 65), (64, 61, 17)])
+def test_mla_pool_byte_exact(bs, layers, width):
+    """SGLang MLA layout: one [slots, 1, 576] bf16 buffer per layer, random bits (NaN patterns too).
+    (1, 61): column splits; (64, 61): several layers per block."""
     torch = _torch()
     from sglang_kdtree.gpu.compact import kv_layer_table
 
     rng = np.random.default_rng(bs)
-    width, m = 65, 16
+    m = 16
     num_slots = bs * width + 37
     bufs_np = rng.integers(-(1 << 15), 1 << 15, size=(layers, num_slots, 1, 576), dtype=np.int16)
     bufs = [torch.from_numpy(bufs_np[i]).cuda().view(torch.bfloat16) for i in range(layers)]
