@@ -19,5 +19,8 @@ timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_accept.py ${ACCEPT_ARGS:-
 echo "bench_accept rc=$?"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_compact.py ${COMPACT_ARGS:-} --json "$OUT/compact.json" > "$OUT/bench_compact.log" 2>&1
 echo "bench_compact rc=$?"
+timeout 60 python3 -m pytest -q -p no:cacheprovider benchmarks/bench_accept.py benchmarks/bench_compact.py \
+  --benchmark-columns=min,median,max > "$OUT/bench_pytest.log" 2>&1; echo "pytest-benchmark rc=$?"
+grep -E "test_bench|passed|failed" "$OUT/bench_pytest.log" | tail -4
 grep -E "^(device|\|)" "$OUT/bench_accept.log" || tail -20 "$OUT/bench_accept.log"
 grep -E "^(device|\|)" "$OUT/bench_compact.log" || tail -20 "$OUT/bench_compact.log"
