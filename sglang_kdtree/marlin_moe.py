@@ -655,12 +655,6 @@ def ensure_marlin_kernels(dtype_name: str = "bfloat16"):
     Returns the seconds it took. Needs nvcc, ninja and apache-tvm-ffi, and a visible GPU (the target is
     the local arch). Once per process; SGLang's per-build file lock makes TP ranks compile only once.
     """
-    import torch
-
-    from sglang.kernels.ops.moe.moe_wna16_marlin import _jit_moe_wna16_marlin_module
-    from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
-
-    dtype = getattr(torch, dtype_name)
     cached = marlin_kernels_cached()
     if not cached:
         logger.warning(
@@ -668,12 +662,100 @@ def ensure_marlin_kernels(dtype_name: str = "bfloat16"):
             "(set SGLANG_JIT_CACHE_DIR to keep it elsewhere; pre-build with `python -m sglang_kdtree.marlin_moe "
             "--warmup`)", jit_cache_dir())
     start = time.perf_counter()
-    _jit_gptq_marlin_repack_module()
-    _jit_moe_wna16_marlin_module(dtype, *_MARLIN_SPECIALIZATION)
+    for build in _marlin_module_builders(dtype_name):
+        build()
     seconds = time.perf_counter() - start
     (logger.info if seconds > 5 or not cached else logger.debug)(
         "sglang-kdtree: Marlin MoE kernels ready in %.1f s (cache %s)", seconds, jit_cache_dir())
     return seconds
+
+
+def _marlin_module_builders(dtype_name: str = "bfloat16"):
+    """The SGLang JIT module getters this path needs (repack, then the one Marlin MoE specialization)."""
+    import torch
+
+    from sglang.kernels.ops.moe.moe_wna16_marlin import _jit_moe_wna16_marlin_module
+    from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
+
+    dtype = getattr(torch, dtype_name)
+    return (_jit_gptq_marlin_repack_module, lambda: _jit_moe_wna16_marlin_module(dtype, *_MARLIN_SPECIALIZATION))
+
+
+def export_prebuilt(dest) -> list:
+    """Copy the built Marlin modules out of SGLang's JIT cache into ``dest`` (``<module>.so`` plus
+    ``<module>.deps.json``, SGLang's recorded dependency list), so another machine with the same sglang,
+    apache-tvm-ffi, CUDA major and GPU arch can seed its cache with ``seed_prebuilt`` instead of compiling.
+    Returns the module names exported (the newest build of each)."""
+    import shutil
+    from pathlib import Path
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    exported = []
+    for pattern in ("*gptq_marlin_repack", "*moe_wna16_marlin_*"):
+        builds = sorted(jit_cache_dir().glob(f"*/{pattern}/build-*/deps-*/*.so"), key=lambda p: p.stat().st_mtime)
+        for so in builds[-1:]:
+            shutil.copy2(so, dest / so.name)
+            shutil.copy2(so.parent / "sgl_deps.json", dest / f"{so.stem}.deps.json")
+            exported.append(so.stem)
+    return exported
+
+
+def seed_prebuilt(source, dtype_name: str = "bfloat16") -> list:
+    """Seed SGLang's JIT cache with Marlin modules exported by ``export_prebuilt`` on another machine.
+
+    Runs SGLang's own ``load_jit`` (same cache key, lock and publication) with only its compile step
+    replaced: for a module found in ``source`` whose recorded SGLang kernel sources and tvm-ffi headers hash
+    exactly like this installation's, the prebuilt ``.so`` is copied in place of running nvcc, then loaded
+    (a library that does not load here raises inside ``load_jit``) and published. Anything that does not
+    match falls through to a normal compile. Returns the modules seeded from ``source``.
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    from sglang.kernels.jit.utils.compile import cache as jit_cache
+    from sglang.kernels.jit.utils.compile import ninja as jit_ninja
+
+    source = Path(source)
+    real_build = jit_ninja.build
+    seeded = []
+
+    def prebuilt_build(*, spec, build_dir, build_file):
+        so = source / f"{spec.module_name}.so"
+        deps = source / f"{spec.module_name}.deps.json"
+        if not (so.is_file() and deps.is_file()):
+            return real_build(spec=spec, build_dir=build_dir, build_file=build_file)
+        paths = []
+        for root, relpath, digest in json.loads(deps.read_text()):
+            if root not in ("kernels", "tvm_ffi"):
+                continue  # system / toolkit headers: same CUDA major is the caller's promise
+            path = jit_cache._resolve_path(root=root, relpath=relpath)
+            if path is None or jit_cache._file_digest(path) != digest:
+                logger.warning("sglang-kdtree: prebuilt %s was built from a different %s:%s; compiling instead",
+                               spec.module_name, root, relpath)
+                return real_build(spec=spec, build_dir=build_dir, build_file=build_file)
+            paths.append(str(path))
+        build_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, build_dir / so.name)
+        # SGLang records what the compiler read from the depfiles; list the verified sources there
+        escaped = (p.replace(" ", "\\ ") for p in paths)
+        (build_dir / "prebuilt.o.d").write_text("prebuilt.o: " + " ".join(escaped) + "\n")
+        seeded.append(spec.module_name)
+        return build_dir / so.name
+
+    for build in _marlin_module_builders(dtype_name):
+        before = len(seeded)
+        jit_ninja.build = prebuilt_build
+        try:
+            build()
+        except Exception as exc:  # e.g. the library needs a newer libstdc++ than this machine has
+            del seeded[before:]
+            logger.warning("sglang-kdtree: a prebuilt Marlin module did not load here (%s); it will be compiled",
+                           exc)
+        finally:
+            jit_ninja.build = real_build
+    return seeded
 
 
 def _uses_atomic_add(device) -> bool:
@@ -748,16 +830,39 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_kdtree.marlin_moe",
-                                     description="Pre-build or inspect the Marlin MoE JIT kernels.")
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_kdtree.marlin_moe",
+        description="Pre-build, export or seed the Marlin MoE JIT kernels (SGLang's cache: $SGLANG_JIT_CACHE_DIR).")
+    parser.add_argument("--seed", metavar="DIR",
+                        help="first seed the cache from modules exported with --export on another machine")
     parser.add_argument("--warmup", action="store_true",
-                        help="compile the Marlin repack + MoE modules into SGLang's JIT cache (~6 min once)")
+                        help="compile (or load) the Marlin repack + MoE modules; ~6 min of nvcc when not cached")
+    parser.add_argument("--arch", metavar="MAJOR.MINOR",
+                        help="build for this compute capability instead of the local GPU's (e.g. 9.0 on a "
+                             "build machine without a GPU; needs nvcc)")
+    parser.add_argument("--export", metavar="DIR", help="finally copy the built modules to DIR (for --seed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import contextlib
+
+    arch = contextlib.nullcontext()
+    if args.arch:
+        from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
+
+        major, minor = (int(v) for v in args.arch.split("."))
+        arch = override_jit_cuda_arch(major, minor)
     print(f"JIT cache: {jit_cache_dir()} ({'has' if marlin_kernels_cached() else 'no'} Marlin MoE build)")
-    if args.warmup:
-        seconds = ensure_marlin_kernels("bfloat16")
-        print(f"Marlin MoE kernels ready in {seconds:.1f} s")
+    with arch:
+        if args.seed:
+            start = time.perf_counter()
+            seeded = seed_prebuilt(args.seed)
+            print(f"seeded from {args.seed}: {seeded or 'nothing (compiled instead)'} "
+                  f"in {time.perf_counter() - start:.1f} s")
+        if args.warmup:
+            seconds = ensure_marlin_kernels("bfloat16")
+            print(f"Marlin MoE kernels ready in {seconds:.1f} s")
+    if args.export:
+        print(f"exported to {args.export}: {export_prebuilt(args.export)}")
     return 0
 
 
