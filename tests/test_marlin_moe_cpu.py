@@ -360,3 +360,102 @@ def test_kernel_compiles_with_nvrtc(name):
                   "silu_and_mul.cu": ("silu_and_mul_bf16",),
                   "moe_topk_sum.cu": ("moe_topk_sum_bf16_i32", "moe_topk_sum_bf16_i64")}[name]:
         assert f".entry {entry}" in text
+
+
+# ------------------------------------------------------------------------------------------------------
+# The forward's call sequence, on CPU, with Marlin replaced by an emulation of its documented semantics
+# ------------------------------------------------------------------------------------------------------
+
+
+class _MarlinEmulator:
+    """Stands in for SGLang's moe_wna16_marlin_gemm: performs the argument checks its C++ entry point makes
+    (moe_wna16_marlin.cuh) and computes what the kernel computes, from the *packed* weights the fake Marlin
+    tensors stand for: for each live block b, expert e = expert_ids[b], every route id < size_m * top_k in
+    the block gets c[id] = a[id // top_k] @ W_e (times topk_weights[id] when mul_topk_weights), rounded to
+    the activation dtype; other rows of c are not written."""
+
+    def __init__(self, marlin, packed, workspace_min):
+        self.dense = {id(marlin.w13): mm.dequantize(packed.w13_packed, packed.w13_scale),
+                      id(marlin.w2): mm.dequantize(packed.w2_packed, packed.w2_scale)}
+        self.workspace_min = workspace_min
+        self.calls = []
+
+    def __call__(self, a, c, b_q_weight, b_bias, b_scales, global_scale, b_zeros, g_idx, perm, workspace,
+                 sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, *, moe_block_size, top_k,
+                 mul_topk_weights, is_ep, b_q_type, size_m, size_n, size_k, is_k_full=True, use_atomic_add=False,
+                 use_fp32_reduce=False, is_zp_float=False, expert_ids_are_sorted=False,
+                 zero_inactive_output=False, has_inactive_prefix_count=False):
+        self.calls.append(dict(top_k=top_k, mul=mul_topk_weights, size_m=size_m, size_n=size_n, size_k=size_k,
+                               block=moe_block_size))
+        assert b_q_type.id == mm.UINT4B8.id and not is_ep and b_bias is None and b_zeros is None
+        assert g_idx is None and perm is None and global_scale is None
+        assert not (expert_ids_are_sorted or zero_inactive_output or has_inactive_prefix_count)
+        assert moe_block_size == 8 or (moe_block_size % 16 == 0 and 16 <= moe_block_size <= 64)
+        assert tuple(a.shape) == (size_m, size_k) and a.is_contiguous()
+        assert size_k % 16 == 0 and b_q_weight.shape[1] == size_k // 16
+        assert b_q_weight.shape[2] % 16 == 0 and size_n == b_q_weight.shape[2] // 16 * 8
+        assert c is not None and tuple(c.shape) == (size_m * top_k, size_n) and c.is_contiguous()
+        assert b_scales.dim() == 3 and b_scales.shape[2] == size_n and size_k % b_scales.shape[1] == 0
+        assert b_scales.dtype == a.dtype and b_scales.is_contiguous() and b_q_weight.is_contiguous()
+        assert size_n % 64 == 0 and workspace.numel() >= self.workspace_min
+        assert num_tokens_post_padded.dtype == torch.int32 and num_tokens_post_padded.numel() == 2
+        assert sorted_token_ids.dtype == torch.int32 and sorted_token_ids.numel() % moe_block_size == 0
+        assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+        dense = self.dense[id(b_q_weight)]
+        total = int(num_tokens_post_padded[0])
+        for b in range(total // moe_block_size):
+            e = int(expert_ids[b])
+            for route in sorted_token_ids[b * moe_block_size:(b + 1) * moe_block_size].tolist():
+                if route >= size_m * top_k:
+                    continue
+                row = a[route // top_k].float() @ dense[e]
+                if mul_topk_weights:
+                    row = row * topk_weights.reshape(-1)[route].to(a.dtype).float()
+                c[route] = row.to(c.dtype)
+        return c
+
+
+def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
+    """fused_moe_marlin's orchestration (tables, top_k/size arguments of both GEMMs, SiLU, top-k weights,
+    sum, routed scaling) with the glue twins and a Marlin emulator on CPU, against the float reference;
+    the garbage-filled intermediate buffers stay unread wherever a route is dropped."""
+    import sglang.kernels.ops.moe.moe_wna16_marlin as sgl_marlin
+
+    E, K, N, top_k, M = 8, 256, 128, 4, 9
+    packed = mm.random_packed_weights(E, K, N, seed=31)
+    marlin = mm.MarlinMoEWeights(
+        w13=torch.zeros((E, K // 16, 4 * N), dtype=torch.int32), w13_scale=packed.w13_scale.clone(),
+        w2=torch.zeros((E, N // 16, 2 * K), dtype=torch.int32), w2_scale=packed.w2_scale.clone(),
+        workspace=torch.zeros(528, dtype=torch.int32))
+    emulator = _MarlinEmulator(marlin, packed, workspace_min=min(528, 2 * N // 64 * 16))
+    real_empty = torch.empty
+
+    def garbage_empty(*shape, **kw):  # every intermediate starts as NaN/garbage
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(sgl_marlin, "moe_wna16_marlin_gemm", emulator)
+    monkeypatch.setattr(mm, "ensure_marlin_kernels", lambda *a: 0.0)
+    monkeypatch.setattr(mm, "_uses_atomic_add", lambda device: True)
+    monkeypatch.setattr(mm, "_require_cuda", lambda name, t, dtypes=None: None)
+    monkeypatch.setattr(mm, "moe_align_block_size",
+                        lambda ids, e, block, errors=None: mm.moe_align_reference(ids, e, block))
+    monkeypatch.setattr(mm, "silu_and_mul", lambda x, out=None: mm.silu_and_mul_reference(x))
+    monkeypatch.setattr(mm, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: out.copy_(
+        mm.moe_topk_sum_reference(r, ids, e, f)))
+    monkeypatch.setattr(torch, "empty", garbage_empty)
+
+    g = _gen(32)
+    x = torch.randn((M, K), generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(M)]).to(torch.int32)
+    ids[3] = -1  # a padded token
+    ids[5, 2] = -1  # a dropped route
+    weights = torch.rand((M, top_k), generator=g)
+    ours = mm.fused_moe_marlin(x, marlin, weights, ids, 2.5)
+    ref = mm.fused_moe_reference(x, packed, weights, ids, 2.5)
+    assert [(c["top_k"], c["mul"], c["size_m"], c["size_n"], c["size_k"]) for c in emulator.calls] == [
+        (top_k, False, M, 2 * N, K), (1, True, M * top_k, K, N)]
+    assert emulator.calls[0]["block"] == mm.choose_block_size_m(M, top_k, E)
+    assert torch.all(ours[3] == 0) and torch.isfinite(ours).all()
+    rel = (ours.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+    assert float(rel.max()) <= 1e-2
