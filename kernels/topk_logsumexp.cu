@@ -2,18 +2,21 @@
 //
 // Twin of reference.topk_logprobs / shard_topk_partials / merge_topk_partials. Three kernels:
 //
-//   topk_chunk_*    grid (C, R): one block per 8192-column chunk of a row. One read of the logits (they live
-//                   in registers for the whole block): chunk max + sum of exp (logsumexp partial), then the
-//                   chunk's exact top-min(K, n) by a radix select on an order-preserving 32-bit key, written
-//                   in column order (so equal values stay in ascending id order across the whole row).
-//   topk_merge_*    grid (R): the same radix select over the C chunk candidate lists (from L2), a bitonic
-//                   sort of the K winners by (value desc, id asc), and the logsumexp from the partials.
+//   topk_chunk_*    grid (R * C): one block per 8192-column chunk of a row. One read of the logits (they live
+//                   in registers for the whole block): chunk max + sum of exp (logsumexp partial), then a cut
+//                   that provably keeps every global winner of the chunk (the row's published K-th-largest
+//                   bound, or the chunk's own bound from a bisection over group maxima), and the columns >= the
+//                   cut are appended to the row's candidate buffer as (key, id) composites. Heavy ties fall
+//                   back to the chunk's exact top-min(K, n) by a radix select.
+//   topk_merge_*    grid (R): exact radix select of the K largest composites among the row's candidates
+//                   (shared memory when they fit), a bitonic sort of the K winners by (value desc, id asc),
+//                   and the logsumexp from the partials.
 //   topk_merge_shards  grid (R): tensor-parallel merge of S shards' sorted partials (any order inside a
 //                   shard) by a full bitonic sort of S*Ks (value, id) composites in shared memory.
 //
-// Selection is exact on every input, not only on peaked ones: a radix select finds the K-th largest key
-// (lo..hi bucket with k_rem still needed), then every key > hi and the first k_rem keys in [lo, hi] in
-// column order are taken. Column order == id order, which is the tie rule.
+// Selection is exact on every input, not only on peaked ones: candidates carry the composite
+// (key << 32 | ~id), a strict total order equal to (value desc, id asc), so the merge selects the K largest
+// composites with no reliance on candidate order; the tie rule is in the composite.
 //
 // Errors (never a trap, never an out-of-range write) go to an int32 flag (bits below); the Python layer
 // documents them (sglang_kdtree.gpu.topk.TOPK_ERRORS).
@@ -29,6 +32,9 @@ typedef unsigned long long u64;
 #define ERR_DEAD_ROW 4  // a row (or every shard of it) is entirely -inf
 
 #define CHUNK_THREADS 512
+#ifndef CHUNK_MIN_BLOCKS
+#define CHUNK_MIN_BLOCKS 3  // 40 registers: 3 resident chunk blocks per SM (64 registers gave 2)
+#endif
 #define CHUNK_ELEMS 16                                 // elements per thread, kept in registers
 #define CHUNK_COLS (CHUNK_THREADS * CHUNK_ELEMS)       // 8192 columns per block
 #define MERGE_THREADS 1024
@@ -169,30 +175,54 @@ struct SelectState {
 // kernel 1: one chunk of one row
 // ---------------------------------------------------------------------------------------------------
 
+// (value desc, id asc) as one descending u64; ids < 2^32. Candidates travel in this form, so the merge
+// needs no column order: the composite order is a strict total order that already holds the tie rule.
+__device__ __forceinline__ u64 composite(u32 key, u32 id) { return ((u64)key << 32) | (u64)(0xffffffffu - id); }
+
+// Why a candidate cut is exact. Let T be the row's K-th largest key (K = min(K, V)). A global winner has
+// key >= T, and inside its chunk it is one of the chunk's top-min(K, n) by composite order, so its key is
+// >= the chunk's min(K, n)-th largest key. Hence any cut <= max(that chunk bound, any lower bound of T)
+// keeps every winner. Lower bounds of T: a chunk with n >= K and a value s such that >= K of its elements
+// are >= s gives T >= s; such s are published per row (atomicMax on row_thresh) and later chunks of the
+// row cut at them. A chunk bound: s such that >= min(K, n) groups of the chunk have their maximum >= s
+// (distinct elements, so the chunk's min(K, n)-th largest is >= s), found by bisection with
+// __syncthreads_count on one or two group maxima per thread (cheap: one barrier per step, no histogram).
+// If even the cut leaves more than `allow` columns (heavy ties), the chunk falls back to the exact radix
+// select of its top-min(K, n) (the previous kernel), so every chunk writes at most `allow` candidates.
+//
 // VEC columns per load: 8 for bf16 / 4 for fp32 (16-byte loads) when rows are 16-byte aligned, else 1.
+// Block b: row b % R, chunk b / R (rows fastest, so a row's later chunks start after its first ones have
+// published a threshold).
 template <typename T, int VEC>
-__device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long long row_stride, int V, int K,
-                                           int cand_stride, u32* __restrict__ cand_keys,
-                                           int* __restrict__ cand_cols, float* __restrict__ chunk_max,
-                                           double* __restrict__ chunk_sum, int* __restrict__ err) {
+__device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long long row_stride, int V, int K, int R,
+                                           int C, int allow, long long row_cap, u64* __restrict__ cands,
+                                           int* __restrict__ row_count, u32* __restrict__ row_thresh,
+                                           float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
+                                           int* __restrict__ err) {
   constexpr int NVEC = CHUNK_ELEMS / VEC;
+  constexpr int HALF = NVEC / 2;
+  constexpr int SH = sizeof(T) == 2 ? 16 : 0;  // bf16 keys carry 16 significant bits
   __shared__ u32 hist[MAX_BINS];
   __shared__ u32 scratch[32];
   __shared__ u32 sel[3];
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
+  __shared__ u32 s_rt, s_cut, s_base;
 
   const int tid = threadIdx.x;
-  const int c = blockIdx.x, r = blockIdx.y, C = gridDim.x;
+  const int r = blockIdx.x % R, c = blockIdx.x / R;
   const int start = c * CHUNK_COLS;
   const int n = min(CHUNK_COLS, V - start);
   const int kk = min(K, n);
   const T* row = logits + (long long)r * row_stride + start;
+  if (tid == 0) s_rt = *(volatile u32*)(row_thresh + r);  // read before block_max's barriers
 
   // Column of element (j, v) of this thread: ((j * THREADS + tid) * VEC + v). Loads are coalesced.
   u32 key[NVEC][VEC];
   float m = -INFINITY;
   int bad = 0;
+  u32 gm0 = 0, gm1 = 0;   // max key of the thread's first / second half (j < HALF / j >= HALF)
+  bool gv0 = false, gv1 = false;
 #pragma unroll
   for (int j = 0; j < NVEC; ++j) {
     const int col0 = (j * CHUNK_THREADS + tid) * VEC;
@@ -215,14 +245,17 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
         if (f != f) bad |= ERR_NAN;
         else if (f == INFINITY) bad |= ERR_POSINF;
         m = fmaxf(m, f);
+        if (j < HALF) { gm0 = max(gm0, key[j][v]); gv0 = true; }
+        else { gm1 = max(gm1, key[j][v]); gv1 = true; }
       }
     }
   }
   if (bad) atomicOr(err, bad);
 
-  // logsumexp partial: exp in fp32 of (x - max) (exact-ish: the subtraction is correctly rounded and
-  // small for the terms that matter), summed in float64.
+  // logsumexp partial: exp in fp32 of (x - max) (the subtraction is correctly rounded and small for the
+  // terms that matter), summed in float64.
   const float M = block_max<CHUNK_THREADS>(m, fscratch);
+  const u32 rt = s_rt;
   double s = 0.0;
   if (M != -INFINITY) {
 #pragma unroll
@@ -237,7 +270,70 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
     chunk_sum[r * C + c] = s;
   }
 
-  // radix select of the kk-th largest key
+  // 1) cut at the row's published bound
+  u32 cut = rt, cnt = 0, total;
+#pragma unroll
+  for (int j = 0; j < NVEC; ++j)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) cnt += ((j * CHUNK_THREADS + tid) * VEC + v < n) && key[j][v] >= cut;
+  u32 ex = block_exclusive_scan<CHUNK_THREADS>(cnt, scratch, &total);
+
+  // 2) too many: this chunk's own bound by bisection over group maxima (block-uniform control flow)
+  if (total > (u32)allow) {
+    const bool two = kk > CHUNK_THREADS;  // one group per thread is too few groups for kk
+    const bool a0 = two ? gv0 : (gv0 || gv1);
+    const u32 m0 = two ? gm0 : max(gm0, gm1);
+    u32 groups = (u32)__syncthreads_count(a0) + (two ? (u32)__syncthreads_count(gv1) : 0u);
+    if (groups >= (u32)kk) {
+      // invariant: count(lo) >= kk; stop once the cut keeps few more groups than needed
+      u64 lo = 0, hi = (u64)(float_key(M) >> SH) + 1;
+      u32 cnt_lo = groups;
+      const u32 enough = (u32)kk + ((u32)kk >> 2) + 16u;
+      while (hi - lo > 1 && cnt_lo > enough) {
+        const u64 mid = (lo + hi) >> 1;
+        const u32 cm = (u32)__syncthreads_count(a0 && (u64)(m0 >> SH) >= mid) +
+                       (two ? (u32)__syncthreads_count(gv1 && (u64)(gm1 >> SH) >= mid) : 0u);
+        if (cm >= (u32)kk) {
+          lo = mid;
+          cnt_lo = cm;
+        } else {
+          hi = mid;
+        }
+      }
+      const u32 sc = (u32)(lo << SH);
+      if (tid == 0) {
+        // only a chunk with >= K columns bounds the row's K-th largest
+        const u32 old = kk == K ? atomicMax(row_thresh + r, sc) : *(volatile u32*)(row_thresh + r);
+        s_cut = max(old, sc);
+      }
+      __syncthreads();
+      cut = s_cut;
+      cnt = 0;
+#pragma unroll
+      for (int j = 0; j < NVEC; ++j)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) cnt += ((j * CHUNK_THREADS + tid) * VEC + v < n) && key[j][v] >= cut;
+      ex = block_exclusive_scan<CHUNK_THREADS>(cnt, scratch, &total);
+    }
+  }
+
+  u64* out = cands + (long long)r * row_cap;
+  if (total <= (u32)allow) {
+    if (tid == 0) s_base = total ? (u32)atomicAdd(row_count + r, (int)total) : 0u;
+    __syncthreads();
+    u32 pos = s_base + ex;
+#pragma unroll
+    for (int j = 0; j < NVEC; ++j)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const int col = (j * CHUNK_THREADS + tid) * VEC + v;
+        if (col < n && key[j][v] >= cut) out[pos++] = composite(key[j][v], (u32)(start + col));
+      }
+    return;
+  }
+
+  // 3) heavy ties: exact radix select of the kk-th largest key (block-uniform branch)
+  if (tid == 0) s_base = (u32)atomicAdd(row_count + r, kk);
   u32 prefix = 0, pmask = 0, k_rem = (u32)kk;
   for (int p = 0; p < Digits<T>::passes; ++p) {
     const int shift = Digits<T>::shift(p), nb = 1 << Digits<T>::bits(p);
@@ -251,17 +347,16 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
           atomicAdd(&hist[(key[j][v] >> shift) & (nb - 1)], 1u);
     __syncthreads();
     find_bucket<CHUNK_THREADS>(hist, nb, k_rem, scratch, sel);
-    const u32 d = sel[0], above = sel[1], cnt = sel[2];
+    const u32 d = sel[0], above = sel[1], cntb = sel[2];
     k_rem -= above;
     prefix |= d << shift;
     pmask |= (u32)(nb - 1) << shift;
-    if (cnt == k_rem) break;  // the whole bucket is taken: no finer digit needed
+    if (cntb == k_rem) break;  // the whole bucket is taken: no finer digit needed
   }
   const u32 lo = prefix, hi = prefix | ~pmask;
+  const u32 base = s_base;  // written before the first barrier above
 
-  // Ordered compaction: position = (#taken before me in column order).
-  u32* out_keys = cand_keys + (long long)(r * C + c) * cand_stride;
-  int* out_cols = cand_cols + (long long)(r * C + c) * cand_stride;
+  // Ordered compaction: keys > hi all, and the first k_rem keys in [lo, hi] in column order.
   u32 above_base = 0, tie_base = 0;
 #pragma unroll
   for (int j = 0; j < NVEC; ++j) {
@@ -273,56 +368,52 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
         nt += key[j][v] >= lo && key[j][v] <= hi;
       }
     }
-    u32 total;
-    const u32 ex = block_exclusive_scan<CHUNK_THREADS>(na | (nt << 16), scratch, &total);
-    u32 a = above_base + (ex & 0xffffu), t = tie_base + (ex >> 16);
+    u32 tot;
+    const u32 e = block_exclusive_scan<CHUNK_THREADS>(na | (nt << 16), scratch, &tot);
+    u32 a = above_base + (e & 0xffffu), t = tie_base + (e >> 16);
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
       const int col = (j * CHUNK_THREADS + tid) * VEC + v;
       if (col < n) {
         const u32 k = key[j][v];
         if (k > hi) {
-          const u32 pos = a + min(t, k_rem);
-          out_keys[pos] = k;
-          out_cols[pos] = start + col;
+          out[base + a + min(t, k_rem)] = composite(k, (u32)(start + col));
           ++a;
+        } else if (k >= lo && t < k_rem) {
+          out[base + a + t] = composite(k, (u32)(start + col));
+          ++t;
         } else if (k >= lo) {
-          if (t < k_rem) {
-            out_keys[a + t] = k;
-            out_cols[a + t] = start + col;
-          }
           ++t;
         }
       }
     }
-    above_base += total & 0xffffu;
-    tie_base += total >> 16;
+    above_base += tot & 0xffffu;
+    tie_base += tot >> 16;
   }
 }
 
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) topk_chunk_bf16_v8(
-    const unsigned short* logits, long long row_stride, int V, int K, int cand_stride, u32* cand_keys,
-    int* cand_cols, float* chunk_max, double* chunk_sum, int* err) {
-  topk_chunk<unsigned short, 8>(logits, row_stride, V, K, cand_stride, cand_keys, cand_cols, chunk_max, chunk_sum, err);
+#define CHUNK_ARGS                                                                                              \
+  long long row_stride, int V, int K, int R, int C, int allow, long long row_cap, u64 *cands, int *row_count,  \
+      u32 *row_thresh, float *chunk_max, double *chunk_sum, int *err
+#define CHUNK_PASS row_stride, V, K, R, C, allow, row_cap, cands, row_count, row_thresh, chunk_max, chunk_sum, err
+
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, CHUNK_MIN_BLOCKS) topk_chunk_bf16_v8(const unsigned short* logits,
+                                                                             CHUNK_ARGS) {
+  topk_chunk<unsigned short, 8>(logits, CHUNK_PASS);
 }
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) topk_chunk_bf16_v1(
-    const unsigned short* logits, long long row_stride, int V, int K, int cand_stride, u32* cand_keys,
-    int* cand_cols, float* chunk_max, double* chunk_sum, int* err) {
-  topk_chunk<unsigned short, 1>(logits, row_stride, V, K, cand_stride, cand_keys, cand_cols, chunk_max, chunk_sum, err);
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, CHUNK_MIN_BLOCKS) topk_chunk_bf16_v1(const unsigned short* logits,
+                                                                             CHUNK_ARGS) {
+  topk_chunk<unsigned short, 1>(logits, CHUNK_PASS);
 }
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) topk_chunk_f32_v4(
-    const float* logits, long long row_stride, int V, int K, int cand_stride, u32* cand_keys, int* cand_cols,
-    float* chunk_max, double* chunk_sum, int* err) {
-  topk_chunk<float, 4>(logits, row_stride, V, K, cand_stride, cand_keys, cand_cols, chunk_max, chunk_sum, err);
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, CHUNK_MIN_BLOCKS) topk_chunk_f32_v4(const float* logits, CHUNK_ARGS) {
+  topk_chunk<float, 4>(logits, CHUNK_PASS);
 }
-extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) topk_chunk_f32_v1(
-    const float* logits, long long row_stride, int V, int K, int cand_stride, u32* cand_keys, int* cand_cols,
-    float* chunk_max, double* chunk_sum, int* err) {
-  topk_chunk<float, 1>(logits, row_stride, V, K, cand_stride, cand_keys, cand_cols, chunk_max, chunk_sum, err);
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, CHUNK_MIN_BLOCKS) topk_chunk_f32_v1(const float* logits, CHUNK_ARGS) {
+  topk_chunk<float, 1>(logits, CHUNK_PASS);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// kernel 2: merge the chunk candidates of one row
+// kernel 2: merge the candidates of one row
 // ---------------------------------------------------------------------------------------------------
 
 // Bitonic sort, descending, of P (power of two) u64 in shared memory.
@@ -345,14 +436,20 @@ __device__ __forceinline__ void bitonic_sort_desc(u64* s, int P) {
   }
 }
 
-// (value desc, id asc) as one descending u64; ids < 2^32.
-__device__ __forceinline__ u64 composite(u32 key, u32 id) { return ((u64)key << 32) | (u64)(0xffffffffu - id); }
+
+// Radix select over the 64-bit composites (11-bit digits from the top; the last digit has 9 bits).
+// Composites are unique, so the kout-th largest is one value and the winners are exactly the composites
+// >= it: no order among the candidates is needed.
+__device__ __forceinline__ int comp_shift(int p) { return p < 5 ? 53 - 11 * p : 0; }
+__device__ __forceinline__ int comp_bits(int p) { return p < 5 ? 11 : 9; }
+#define CAND_CACHE 2048  // candidates staged in shared memory when they fit (16 KiB)
 
 // MODE 0: out_vals = logprobs (float32(logit - lse)), out_ids = ids.  MODE 1 (shard partials): out_vals =
 // the raw logits, out_ids = ids + id_offset, out_lse = the row's logsumexp (-inf for an all -inf row).
+// Resets the row's candidate count and threshold for the next call (CUDA-graph replay included).
 template <int MODE>
-__device__ __forceinline__ void topk_merge(const u32* __restrict__ cand_keys, const int* __restrict__ cand_cols,
-                                           int C, int cand_stride, int V, int K,
+__device__ __forceinline__ void topk_merge(const u64* __restrict__ cands, int* __restrict__ row_count,
+                                           u32* __restrict__ row_thresh, long long row_cap, int C, int V, int K,
                                            const float* __restrict__ chunk_max,
                                            const double* __restrict__ chunk_sum, float* __restrict__ out_vals,
                                            long long* __restrict__ out_ids, double* __restrict__ out_lse,
@@ -363,6 +460,8 @@ __device__ __forceinline__ void topk_merge(const u32* __restrict__ cand_keys, co
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
   __shared__ u64 winners[MAX_K];
+  __shared__ u64 cache[CAND_CACHE];
+  __shared__ u32 n_win;
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
@@ -381,52 +480,49 @@ __device__ __forceinline__ void topk_merge(const u32* __restrict__ cand_keys, co
   const double lse = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
   if (MODE == 0 && M == -INFINITY && tid == 0) atomicOr(err, ERR_DEAD_ROW);
 
-  // Item t of the row: chunk t / cand_stride, slot t % cand_stride; chunk c holds min(K, n_c) items.
-  const int items = C * cand_stride;
-  const u32* keys = cand_keys + (long long)r * items;
-  const int* cols = cand_cols + (long long)r * items;
-#define ITEM_VALID(t) ((t) % cand_stride < min(K, min(CHUNK_COLS, V - ((t) / cand_stride) * CHUNK_COLS)))
+  const int items = min(row_count[r], (int)min(row_cap, (long long)0x7fffffff));
+  const u64* src = cands + (long long)r * row_cap;
+  if (items <= CAND_CACHE) {
+    for (int t = tid; t < items; t += MERGE_THREADS) cache[t] = src[t];
+    src = cache;
+  }
+  if (tid == 0) n_win = 0;
+  const u32 want = (u32)min(kout, items);  // == kout unless the input was invalid (NaN)
 
-  u32 prefix = 0, pmask = 0, k_rem = (u32)kout;
-  for (int p = 0; p < MergeDigits::passes; ++p) {
-    const int shift = MergeDigits::shift(p), nb = 1 << MergeDigits::bits(p);
-    for (int b = tid; b < nb; b += MERGE_THREADS) hist[b] = 0;
-    __syncthreads();
-    for (int t = tid; t < items; t += MERGE_THREADS) {
-      if (!ITEM_VALID(t)) continue;
-      const u32 k = keys[t];
-      if ((k & pmask) == prefix) atomicAdd(&hist[(k >> shift) & (nb - 1)], 1u);
+  u64 prefix = 0, pmask = 0;
+  u32 k_rem = want;
+  if (want > 0)
+    for (int p = 0; p < 6; ++p) {
+      const int shift = comp_shift(p), nb = 1 << comp_bits(p);
+      for (int b = tid; b < nb; b += MERGE_THREADS) hist[b] = 0;
+      __syncthreads();
+      for (int t = tid; t < items; t += MERGE_THREADS) {
+        const u64 w = src[t];
+        if ((w & pmask) == prefix) atomicAdd(&hist[(u32)(w >> shift) & (nb - 1)], 1u);
+      }
+      __syncthreads();
+      find_bucket<MERGE_THREADS>(hist, nb, k_rem, scratch, sel);
+      const u32 d = sel[0], above = sel[1], cnt = sel[2];
+      k_rem -= above;
+      prefix |= (u64)d << shift;
+      pmask |= (u64)(nb - 1) << shift;
+      if (cnt == k_rem) break;  // the whole bucket is taken
     }
-    __syncthreads();
-    find_bucket<MERGE_THREADS>(hist, nb, k_rem, scratch, sel);
-    const u32 d = sel[0], above = sel[1], cnt = sel[2];
-    k_rem -= above;
-    prefix |= d << shift;
-    pmask |= (u32)(nb - 1) << shift;
-    if (cnt == k_rem) break;
-  }
-  const u32 lo = prefix, hi = prefix | ~pmask;
-
-  // Ordered compaction of the kout winners into shared memory (item order == id order among ties).
-  u32 above_base = 0, tie_base = 0;
-  for (int t0 = 0; t0 < items; t0 += MERGE_THREADS) {
-    const int t = t0 + tid;
-    u32 k = 0;
-    bool ok = t < items && ITEM_VALID(t);
-    if (ok) k = keys[t];
-    const u32 na = ok && k > hi, nt = ok && k >= lo && k <= hi;
-    u32 total;
-    const u32 ex = block_exclusive_scan<MERGE_THREADS>(na | (nt << 16), scratch, &total);
-    const u32 a = above_base + (ex & 0xffffu), tt = tie_base + (ex >> 16);
-    if (na) winners[a + min(tt, k_rem)] = composite(k, (u32)cols[t]);
-    else if (nt && tt < k_rem) winners[a + tt] = composite(k, (u32)cols[t]);
-    above_base += total & 0xffffu;
-    tie_base += total >> 16;
-  }
-#undef ITEM_VALID
+  // winners: every composite >= prefix (the bucket is wholly taken; unique composites)
+  __syncthreads();
+  if (want > 0)
+    for (int t = tid; t < items; t += MERGE_THREADS) {
+      const u64 w = src[t];
+      if (w >= prefix) {
+        const u32 p = atomicAdd(&n_win, 1u);
+        if (p < (u32)MAX_K) winners[p] = w;
+      }
+    }
+  __syncthreads();
+  const int got = min((int)n_win, kout);
   int P = 1;
   while (P < kout) P <<= 1;
-  for (int i = kout + tid; i < P; i += MERGE_THREADS) winners[i] = 0ull;  // sorts last
+  for (int i = got + tid; i < P; i += MERGE_THREADS) winners[i] = 0ull;  // sorts last
   __syncthreads();
   bitonic_sort_desc<MERGE_THREADS>(winners, P);
 
@@ -442,20 +538,25 @@ __device__ __forceinline__ void topk_merge(const u32* __restrict__ cand_keys, co
       out_ids[(long long)r * kout + i] = id + id_offset;
     }
   }
-  if (MODE == 1 && tid == 0) out_lse[r] = lse;
+  if (tid == 0) {
+    if (MODE == 1) out_lse[r] = lse;
+    row_count[r] = 0;  // every thread read it before the barriers above
+    row_thresh[r] = 0u;
+  }
 }
 
-extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_logprobs(
-    const u32* cand_keys, const int* cand_cols, int C, int cand_stride, int V, int K, const float* chunk_max,
-    const double* chunk_sum, float* out_vals, long long* out_ids, int* err) {
-  topk_merge<0>(cand_keys, cand_cols, C, cand_stride, V, K, chunk_max, chunk_sum, out_vals, out_ids, nullptr, 0,
-                err);
+#define MERGE_ARGS                                                                                           \
+  const u64 *cands, int *row_count, u32 *row_thresh, long long row_cap, int C, int V, int K,                 \
+      const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
+
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_logprobs(MERGE_ARGS, int* err) {
+  topk_merge<0>(cands, row_count, row_thresh, row_cap, C, V, K, chunk_max, chunk_sum, out_vals, out_ids, nullptr,
+                0, err);
 }
 
-extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_partials(
-    const u32* cand_keys, const int* cand_cols, int C, int cand_stride, int V, int K, const float* chunk_max,
-    const double* chunk_sum, float* out_vals, long long* out_ids, double* out_lse, long long id_offset, int* err) {
-  topk_merge<1>(cand_keys, cand_cols, C, cand_stride, V, K, chunk_max, chunk_sum, out_vals, out_ids, out_lse,
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_partials(MERGE_ARGS, double* out_lse,
+                                                                              long long id_offset, int* err) {
+  topk_merge<1>(cands, row_count, row_thresh, row_cap, C, V, K, chunk_max, chunk_sum, out_vals, out_ids, out_lse,
                 id_offset, err);
 }
 

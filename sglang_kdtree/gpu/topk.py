@@ -20,6 +20,7 @@ from sglang_kdtree.gpu import runtime
 __all__ = [
     "TOPK_ERRORS",
     "TopKWorkspace",
+    "candidate_allowance",
     "topk_logprobs",
     "shard_topk_partials",
     "merge_topk_partials",
@@ -33,6 +34,7 @@ MERGE_THREADS = 1024
 MAX_K = 1024
 MAX_SHARD_CANDIDATES = 8192  # S * Ks sorted in shared memory by topk_merge_shards (64 KiB)
 _KERNEL = "topk_logsumexp.cu"
+_OPTIONS: tuple[str, ...] = ()  # extra NVRTC options (benchmarks compare -DCHUNK_MIN_BLOCKS variants)
 
 #: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs)
 TOPK_ERRORS = {
@@ -102,9 +104,18 @@ def _check_logits(name, logits):
         raise ValueError(f"{name} must be contiguous along the vocabulary axis; call .contiguous()")
 
 
+def candidate_allowance(k: int) -> int:
+    """Most candidates one 8192-column chunk may hand to the merge for a given K (``allow`` in the .cu):
+    room for the cut's slack above K; a chunk whose cut keeps more (heavy ties) selects exactly K instead."""
+    return min(CHUNK_COLS, 2 * int(k) + 256)
+
+
 class TopKWorkspace:
-    """Scratch for ``topk_logprobs`` / ``shard_topk_partials``: chunk candidates and logsumexp partials for
-    up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside graph capture).
+    """Scratch for ``topk_logprobs`` / ``shard_topk_partials``: per-row candidate buffers (u64 composites,
+    ``chunks * candidate_allowance(max_k)`` per row), per-row candidate counts and published thresholds
+    (zeroed here; each call's merge zeroes them again, so CUDA-graph replays start clean), and logsumexp
+    partials, for up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside
+    graph capture); one workspace serves one stream at a time.
     """
 
     def __init__(self, max_rows: int, vocab: int, max_k: int, device):
@@ -112,10 +123,10 @@ class TopKWorkspace:
 
         self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_K)
         self.chunks = -(-self.vocab // CHUNK_COLS)
-        stride = min(self.max_k, CHUNK_COLS)
-        n = self.max_rows * self.chunks * stride
-        self.cand_keys = torch.empty(n, dtype=torch.int32, device=device)
-        self.cand_cols = torch.empty(n, dtype=torch.int32, device=device)
+        self.row_cap = self.chunks * candidate_allowance(self.max_k)
+        self.cands = torch.empty(self.max_rows * self.row_cap, dtype=torch.int64, device=device)
+        self.row_count = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
+        self.row_thresh = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
         self.chunk_max = torch.empty(self.max_rows * self.chunks, dtype=torch.float32, device=device)
         self.chunk_sum = torch.empty(self.max_rows * self.chunks, dtype=torch.float64, device=device)
 
@@ -126,7 +137,7 @@ class TopKWorkspace:
 def _chunk_kernel(logits):
     import torch
 
-    mod = runtime.load_module(_KERNEL)
+    mod = runtime.load_module(_KERNEL, _OPTIONS)
     vec = 8 if logits.dtype == torch.bfloat16 else 4
     aligned = (
         logits.data_ptr() % 16 == 0
@@ -173,19 +184,22 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
     if rows == 0:
         return out_vals, out_ids, out_lse, error_flag
     chunks = -(-v // CHUNK_COLS)
-    stride = min(k, CHUNK_COLS)
+    if rows * chunks >= 2**31:
+        raise ValueError(f"rows {rows} x chunks {chunks} exceeds the 1-D grid; split the batch")
+    allow = candidate_allowance(k)
     row_stride = flat.stride(0) if rows > 1 else v
-    mod = runtime.load_module(_KERNEL)
+    mod = runtime.load_module(_KERNEL, _OPTIONS)
+    ws = workspace
     with runtime.current_stream():
         _chunk_kernel(flat)(
-            (chunks, rows),
+            (rows * chunks,),
             (CHUNK_THREADS,),
-            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(stride), _ptr(workspace.cand_keys),
-             _ptr(workspace.cand_cols), _ptr(workspace.chunk_max), _ptr(workspace.chunk_sum), _ptr(error_flag)),
+            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(rows), np.int32(chunks),
+             np.int32(allow), np.int64(ws.row_cap), _ptr(ws.cands), _ptr(ws.row_count), _ptr(ws.row_thresh),
+             _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(error_flag)),
         )
-        common = (_ptr(workspace.cand_keys), _ptr(workspace.cand_cols), np.int32(chunks), np.int32(stride),
-                  np.int32(v), np.int32(k), _ptr(workspace.chunk_max), _ptr(workspace.chunk_sum), _ptr(out_vals),
-                  _ptr(out_ids))
+        common = (_ptr(ws.cands), _ptr(ws.row_count), _ptr(ws.row_thresh), np.int64(ws.row_cap), np.int32(chunks),
+                  np.int32(v), np.int32(k), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
         if mode == 0:
             mod.get_function("topk_merge_logprobs")((rows,), (MERGE_THREADS,), common + (_ptr(error_flag),))
         else:
@@ -298,7 +312,7 @@ def merge_topk_partials(top_logits, ids, lse, k: int, *, error_flag=None, check:
     out_ids = torch.empty(rows * kout, dtype=torch.int64, device=dev)
     flag = new_error_flag(dev) if error_flag is None else error_flag
     if rows:
-        fn = runtime.load_module(_KERNEL).get_function("topk_merge_shards")
+        fn = runtime.load_module(_KERNEL, _OPTIONS).get_function("topk_merge_shards")
         fn.max_dynamic_shared_size_bytes = max(p * 8, 1)
         with runtime.current_stream():
             fn((rows,), (MERGE_THREADS,),

@@ -98,6 +98,67 @@ def test_tp_shards_merge_to_unsharded(shards):
     _check_topk(x, k, lp, ids)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_topk_peaked_many_rows_published_thresholds(dtype):
+    """Many rows of Zipf-like logits: later chunks of a row cut at thresholds published by earlier chunks,
+    and the cut must never drop a winner (ids exact for every K)."""
+    from sglang_kdtree.bench_gpu import peaked_logits
+
+    topk, _, _ = _gpu()
+    x = peaked_logits(4, 15, 163840, seed=11)
+    if dtype == "fp32":
+        x = x.float() + 1e-3 * torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    ws = topk.TopKWorkspace(60, 163840, 1024, "cuda")
+    xn = x.float().cpu().numpy()
+    for k in (1, 16, 64, 256, 513, 1024):
+        lp, ids = topk.topk_logprobs(x, k, workspace=ws, check=True)
+        _check_topk(xn, k, lp, ids)
+
+
+def test_topk_adversarial_chunk_layouts():
+    """Rows whose winners sit in the last chunk (rising), in the first chunk (falling: later chunks keep
+    nothing), all equal (every chunk falls back to the exact select), and equal values straddling chunk
+    borders; one workspace reused across K (the per-row counters and thresholds must reset)."""
+    topk, _, _ = _gpu()
+    v = 163840
+    rows = []
+    ramp = np.arange(v, dtype=np.float32) / 64.0
+    rows.append(ramp)                       # rising: every chunk beats the previous one's bound
+    rows.append(ramp[::-1].copy())          # falling
+    rows.append(np.zeros(v, dtype=np.float32))
+    tie = np.full(v, -3.0, dtype=np.float32)
+    for b in range(1, 20):                  # ties right at the chunk borders
+        tie[b * 8192 - 3: b * 8192 + 3] = 1.0
+    tie[::997] = -0.0
+    rows.append(tie)
+    blocks = np.repeat((np.arange(v // 512) % 5).astype(np.float32), 512)  # long runs of 5 levels
+    rows.append(blocks)
+    x = np.stack(rows)
+    x[4, 5::7] = -np.inf
+    ws = topk.TopKWorkspace(len(rows), v, 1024, "cuda")
+    for dt in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).cuda().to(dt)
+        xn = t.float().cpu().numpy()
+        for k in (1024, 1, 300, 64, 1024):
+            lp, ids = topk.topk_logprobs(t, k, workspace=ws, check=True)
+            _check_topk(xn, k, lp, ids)
+    # the counters are back at zero after every call
+    assert int(ws.row_count.abs().sum()) == 0 and int(ws.row_thresh.abs().sum()) == 0
+
+
+def test_topk_poisoned_outputs_and_reused_builder_buffers():
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(9)
+    x = (rng.integers(-30, 5, size=(3, 7, 50000)) / 4).astype(np.float32)
+    ws = topk.TopKWorkspace(21, 50000, 512, "cuda")
+    ws.cands.fill_(-1)  # poison the candidate buffer
+    out = (torch.full((21 * 512,), 7.0, device="cuda"), torch.full((21 * 512,), -5, dtype=torch.int64, device="cuda"))
+    t = torch.from_numpy(x).cuda()
+    for k in (512, 33, 512):
+        lp, ids = topk.topk_logprobs(t, k, workspace=ws, out=out, check=True)
+        _check_topk(x, k, lp, ids)
+
+
 def _sorted_rows(rng, bs, depth, k, tie_heavy):
     if tie_heavy:
         lp = -(rng.integers(0, 6, size=(bs, depth, k)) / 8.0)
