@@ -32,7 +32,7 @@ import functools
 from dataclasses import dataclass
 
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.errors import launch_stream, raise_on_device_error
+from sglang_kdtree.gpu.errors import raise_on_device_error
 
 __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "MAX_WIDTH", "MAX_VOCAB"]
 
@@ -222,7 +222,7 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
     common_out = (_ptr(res.accepted), _ptr(res.accept_lens), _ptr(res.bonus), _ptr(res.committed),
                   _ptr(res.new_seq_lens if seq_lens is not None else None), _ptr(res.errors))
     dims = (np.int32(width), np.int32(max_depth + 1), np.int32(width))
-    with launch_stream():
+    with runtime.current_stream():
         if ids:
             _kernel("accept_ids")(
                 (bs,), (_ACCEPT_THREADS_IDS,),
@@ -302,7 +302,7 @@ def accept_sampled(
     if bs == 0:
         return res
     name = "accept_sampled_f32" if t.dtype == torch.float32 else "accept_sampled_bf16"
-    with launch_stream():
+    with runtime.current_stream():
         _kernel(name)(
             (bs,), (_ACCEPT_THREADS_LOGITS,),
             (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),

@@ -1,4 +1,4 @@
-"""Device-side error bits of the accept and commit kernels, and the stream they launch on.
+"""Device-side error bits of the accept and commit kernels.
 
 The kernels never sync the host: a value error they can only see in the data (a slot out of range, a
 NaN logit, a path longer than ``max_depth``) sets a bit and the kernel skips or clamps the offending item
@@ -13,8 +13,7 @@ from __future__ import annotations
 __all__ = ["DEVICE_ERRORS", "new_error_flag", "error_bits", "describe_device_error", "raise_on_device_error",
            "launch_stream"]
 
-import functools
-import warnings
+from sglang_kdtree.gpu import runtime
 
 #: bit -> meaning; the bits are defined in kernels/tree_accept.cu, kv_compact.cu and gather_hidden.cu.
 DEVICE_ERRORS = {
@@ -44,22 +43,9 @@ def error_bits(errors) -> int:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _external_stream(handle: int):
-    import cupy
-
-    # CuPy 14 deprecates ExternalStream with a warning per construction; built once per torch stream,
-    # it costs nothing per launch (building and warning on every call cost tens of microseconds)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(handle)
-
-
 def launch_stream():
-    """torch's current CUDA stream as a (cached) CuPy stream, for ``with launch_stream(): kernel(...)``."""
-    import torch
-
-    return _external_stream(torch.cuda.current_stream().cuda_stream)
+    """torch's current CUDA stream as a cached CuPy stream (``runtime.current_stream``)."""
+    return runtime.current_stream()
 
 
 def describe_device_error(bits: int) -> list[str]:

@@ -72,12 +72,28 @@ def load_module(name: str, options: tuple[str, ...] = ()):
     return cupy.RawModule(code=kernel_source(name), options=opts, name_expressions=None)
 
 
-def current_stream():
-    """torch's current CUDA stream as a CuPy ``ExternalStream`` (launch there, never on CuPy's default)."""
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int):
+    import warnings
+
     import cupy
+
+    # CuPy 14 deprecates ExternalStream (warning on every construction) in favour of Stream.from_external,
+    # which needs a stream object implementing __cuda_stream__; built once per torch stream and cached, the
+    # wrapper costs nothing per launch (constructing it per call cost tens of microseconds).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle)
+
+
+def current_stream():
+    """torch's current CUDA stream as a (cached) CuPy stream: ``with current_stream(): kernel(...)``.
+
+    Kernels always launch there, never on CuPy's own default stream, so they order correctly with torch's
+    work and are captured by ``torch.cuda.graph``."""
     import torch
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    return _external_stream(torch.cuda.current_stream().cuda_stream)
 
 
 def as_cupy(t):
