@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.errors import launch_stream, new_error_flag
+from sglang_kdtree.gpu.errors import new_error_flag
 
 __all__ = [
     "GPUCommitPlan",
@@ -208,7 +208,7 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommi
     if bs == 0 or m == 0:
         return plan
     name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
-    with launch_stream():
+    with runtime.current_stream():
         _kernel("kv_compact.cu", name)(
             (bs,), (_PLAN_THREADS,),
             (_ptr(accepted.contiguous()), _ptr(accept_lens.contiguous()), _ptr(verify_slots),
@@ -263,7 +263,7 @@ def compact_kv(kv, plan, *, errors=None):
     blocks = groups * bs
     splits = max(1, min(-(-_TARGET_BLOCKS // blocks), row_units // 8 or 1))
     kernel = _kernel("kv_compact.cu", {16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
-    with launch_stream():
+    with runtime.current_stream():
         kernel(
             (groups, bs, splits), (_COMPACT_THREADS,),
             (_ptr(table.layer_ptrs), np.int32(table.num_layers), np.int32(layers_per_block),
@@ -315,7 +315,7 @@ def gather_hidden(hidden, plan, *, errors=None):
         unit = 4
     if row_bytes % unit or ld_bytes % unit:
         raise ValueError(f"hidden rows of {row_bytes} bytes are not a multiple of 2 bytes")
-    with launch_stream():
+    with runtime.current_stream():
         _kernel("gather_hidden.cu", {16: "gather_hidden_16B", 4: "gather_hidden_4B", 2: "gather_hidden_2B"}[unit])(
             (bs * m,), (_GATHER_THREADS,),
             (_ptr(hidden), np.int64(ld_bytes // unit), np.int64(hidden.shape[0]), np.int64(row_bytes // unit),
