@@ -149,11 +149,13 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"\nGPU columns: not run ({reason}). They need a CUDA GPU with CuPy (cupy-cuda13x).")
         return 0
-    try:
-        from sglang_kdtree.bench_gpu import print_gpu_table, run_gpu_bench
-    except ImportError as exc:
-        print(f"\nGPU columns: not available in this build ({exc}).")
-        return 0
-    gpu_rows = run_gpu_bench(args.batches, args.budgets, args.depths, args.vocab, progress)
-    print_gpu_table(gpu_rows)
+    from sglang_kdtree.bench_gpu import format_table as gpu_table
+    from sglang_kdtree.bench_gpu import run_gpu_bench
+
+    print("\nService CPU path (torch top-K on the GPU, host heapq, numpy mask) vs our GPU kernels, same run:")
+    gpu_rows = run_gpu_bench(
+        args.batches, args.budgets, args.depths, args.vocab,
+        progress=lambda row: progress(f"GPU: batch {row['batch']}, budget {row['budget']} done"),
+    )
+    print(gpu_table(gpu_rows))
     return 0
