@@ -450,6 +450,12 @@ def _check_tree_batch(trees: TreeBatch) -> None:
         raise ValueError(f"trees.num_nodes has shape {trees.num_nodes.shape}, expected {(bs,)}")
     if ((trees.num_nodes < 0) | (trees.num_nodes >= width)).any():
         raise ValueError(f"trees.num_nodes must lie in [0, {width - 1}], got {trees.num_nodes.tolist()}")
+    node = np.arange(width)[None, :]
+    live = (node >= 1) & (node <= trees.num_nodes[:, None])
+    bad = live & ((trees.parents < 0) | (trees.parents >= node))
+    if bad.any():
+        b, i = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"trees.parents[{b}, {i}] = {int(trees.parents[b, i])} must lie in [0, {i})")
 
 
 def ancestor_matrix(trees: TreeBatch) -> np.ndarray:
@@ -738,11 +744,13 @@ def compact_kv(kv, plan: CommitPlan) -> None:
             ``[slots, heads, head_dim]`` flattened to ``[slots, D]``); the slot axis is ``-2``.
         plan: from ``commit_plan``. Slots must be in ``[0, slots)``.
     """
-    valid = plan.src_slots >= 0
+    valid = plan.src_slots != -1
+    if (valid != (plan.dst_slots != -1)).any():
+        raise ValueError("commit plan pads src_slots and dst_slots differently (padding is -1 in both)")
     src = plan.src_slots[valid]
     dst = plan.dst_slots[valid]
     slots = kv.shape[-2]
-    if src.size and (src.max() >= slots or dst.max() >= slots or dst.min() < 0):
+    if src.size and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= slots):
         raise ValueError(f"commit plan addresses a slot outside [0, {slots})")
     rows = kv[..., src, :].copy()
     kv[..., dst, :] = rows

@@ -458,3 +458,28 @@ def test_compact_kv_rejects_out_of_range_slots():
     plan = R.commit_plan(np.array([[0, 1]]), np.array([2]), np.array([[3, 60]]))
     with pytest.raises(ValueError, match="outside"):
         R.compact_kv(np.zeros((50, 2)), plan)
+
+
+def test_compact_kv_rejects_negative_slots_and_mismatched_padding():
+    plan = R.CommitPlan(
+        src_slots=np.array([[0, -5]]), dst_slots=np.array([[0, 1]]), hidden_rows=np.array([[0, 1]]),
+        accept_lens=np.array([2]),
+    )
+    with pytest.raises(ValueError, match="outside"):
+        R.compact_kv(np.zeros((50, 2)), plan)
+    plan = R.CommitPlan(
+        src_slots=np.array([[0, -1]]), dst_slots=np.array([[0, 1]]), hidden_rows=np.array([[0, -1]]),
+        accept_lens=np.array([1]),
+    )
+    with pytest.raises(ValueError, match="padding"):
+        R.compact_kv(np.zeros((50, 2)), plan)
+
+
+def test_malformed_parents_are_rejected():
+    trees = hand_tree()
+    bad = R.TreeBatch(tokens=trees.tokens, depths=trees.depths, parents=trees.parents.copy(), num_nodes=trees.num_nodes)
+    bad.parents[0, 3] = 4  # a parent after its child
+    with pytest.raises(ValueError, match=r"parents\[0, 3\] = 4 must lie in \[0, 3\)"):
+        R.accept_greedy(bad, np.zeros((1, 7), np.int64))
+    with pytest.raises(ValueError, match="parents"):
+        R.verify_inputs(bad, np.array([4]))
