@@ -513,6 +513,13 @@ def _ptr(t):
     return np.uint64(t.data_ptr())
 
 
+def _require_16b(name, t):
+    # the glue kernels move 8 bf16 per 16-byte load/store
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} starts at an address that is not 16-byte aligned (a view with an odd offset); "
+                         "pass a fresh or .clone()d tensor")
+
+
 def _grid(work_items: int, threads: int) -> int:
     return max(1, min(_MAX_BLOCKS * 4, -(-work_items // threads)))
 
@@ -577,6 +584,8 @@ def silu_and_mul(gate_up, out=None):
     _require_cuda("out", out, (torch.bfloat16,))
     if tuple(out.shape) != (rows, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{rows}, {n}] tensor, got {tuple(out.shape)}")
+    _require_16b("gate_up", gate_up)
+    _require_16b("out", out)
     if rows == 0:
         return out
     from sglang_kdtree.gpu import runtime
@@ -606,6 +615,8 @@ def moe_topk_sum(routed, topk_ids, num_experts: int, routed_scaling_factor: floa
     _require_cuda("out", out, (torch.bfloat16,))
     if tuple(out.shape) != (M, K) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{M}, {K}] tensor, got {tuple(out.shape)}")
+    _require_16b("routed", routed)
+    _require_16b("out", out)
     if M == 0:
         return out
     from sglang_kdtree.gpu import runtime
@@ -806,8 +817,13 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(hidden_states)
+    if tuple(out.shape) != (M, K) or out.dtype != hidden_states.dtype:
+        raise ValueError(f"out must be [{M}, {K}] {hidden_states.dtype}, got {tuple(out.shape)} {out.dtype}")
     if M == 0:
         return out
+    # a caller's buffer the sum kernel cannot write directly (strided, or a view at an odd offset) is filled
+    # by one copy at the end
+    combined = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(hidden_states)
     ensure_marlin_kernels("bfloat16")
     topk_weights = topk_weights.contiguous()
     block = choose_block_size_m(M, top_k, E)
@@ -829,7 +845,10 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
         b_q_type=UINT4B8, size_m=M * top_k, size_n=K, size_k=N, is_k_full=True, use_atomic_add=atomic,
         use_fp32_reduce=True, is_zp_float=False,
     )
-    return moe_topk_sum(routed, topk_ids, E, routed_scaling_factor, out=out)
+    moe_topk_sum(routed, topk_ids, E, routed_scaling_factor, out=combined)
+    if combined is not out:
+        out.copy_(combined)
+    return out
 
 
 def main(argv=None) -> int:

@@ -459,3 +459,8 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     assert torch.all(ours[3] == 0) and torch.isfinite(ours).all()
     rel = (ours.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
     assert float(rel.max()) <= 1e-2
+    # a strided caller buffer (e.g. a column slice) receives the same result through the final copy
+    wide = torch.full((M, 2 * K), 5.0, dtype=torch.bfloat16)
+    strided = wide[:, :K]
+    assert mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, out=strided) is strided
+    assert torch.equal(strided, ours) and torch.all(wide[:, K:] == 5.0)
