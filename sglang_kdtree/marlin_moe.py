@@ -351,13 +351,40 @@ def make_workspace(device):
     return torch.zeros(4 * sms, dtype=torch.int32, device=device)
 
 
+def _sglang_repack_functions():
+    """SGLang's ``(gptq_marlin_moe_repack, marlin_moe_permute_scales)``.
+
+    ``marlin_utils`` is imported first: it initialises ``sglang.srt.layers.quantization``, which must be
+    fully imported before ``gptq_kernels`` (importing ``gptq_kernels`` first is a circular import in 0.5.23).
+    Where ``gptq_kernels`` does not import (it pulls SGLang's MoE runner stack), the per-expert loop it
+    runs is done here over the same JIT ``gptq_marlin_repack``.
+    """
+    from sglang.srt.layers.quantization.marlin_utils import marlin_moe_permute_scales
+
+    try:
+        from sglang.srt.hardware_backend.gpu.quantization.gptq_kernels import gptq_marlin_moe_repack
+    except ImportError as exc:
+        import torch
+        from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
+
+        logger.info("sglang-kdtree: gptq_kernels does not import (%s); repacking expert by expert with the "
+                    "JIT gptq_marlin_repack", exc)
+
+        def gptq_marlin_moe_repack(b_q_weight, perm, size_k, size_n, num_bits):
+            out = torch.empty((b_q_weight.shape[0], size_k // 16, size_n * (num_bits // 2)),
+                              dtype=b_q_weight.dtype, device=b_q_weight.device)
+            for e in range(b_q_weight.shape[0]):
+                out[e] = gptq_marlin_repack(b_q_weight[e], perm[e], size_k, size_n, num_bits)
+            return out
+
+    return gptq_marlin_moe_repack, marlin_moe_permute_scales
+
+
 def repack_for_marlin(weights: PackedMoEWeights, *, workspace=None) -> MarlinMoEWeights:
     """Repack CUDA ``PackedMoEWeights`` into Marlin's layout with SGLang's ``gptq_marlin_moe_repack`` (JIT
     ``gptq_marlin_repack``, ~11 s of nvcc the first time) and ``marlin_moe_permute_scales``. Call once at
     load; the result holds new tensors (the inputs can be freed)."""
-    from sglang.srt.hardware_backend.gpu.quantization.gptq_kernels import gptq_marlin_moe_repack
-    from sglang.srt.layers.quantization.marlin_utils import marlin_moe_permute_scales
-
+    gptq_marlin_moe_repack, marlin_moe_permute_scales = _sglang_repack_functions()
     args = marlin_repack_args(weights)
     _check_marlin_shape(weights.hidden_size, weights.intermediate_size)
     if weights.w13_packed.device.type != "cuda":

@@ -464,3 +464,36 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     strided = wide[:, :K]
     assert mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, out=strided) is strided
     assert torch.equal(strided, ours) and torch.all(wide[:, K:] == 5.0)
+
+
+def test_repack_functions_import_in_a_fresh_process():
+    """In a process that has imported nothing of SGLang's quantization stack, the repack functions import
+    (importing gptq_kernels first is a circular import in SGLang 0.5.23), and where gptq_kernels cannot
+    import, the per-expert fallback over the JIT repack produces SGLang's output shape."""
+    import subprocess
+
+    code = r'''
+import sys, torch
+from sglang_kdtree import marlin_moe as mm
+repack, permute = mm._sglang_repack_functions()
+assert repack.__module__.endswith("gptq_kernels"), repack.__module__
+assert permute.__module__.endswith("marlin_utils"), permute.__module__
+sys.modules["sglang.srt.hardware_backend.gpu.quantization.gptq_kernels"] = None  # now it "cannot import"
+import sglang.kernels.ops.quantization.gptq_marlin_repack as jit
+calls = []
+def fake(b, perm, k, n, bits):
+    calls.append((tuple(b.shape), tuple(perm.shape), k, n, bits))
+    return torch.full((k // 16, n * bits // 2), len(calls), dtype=b.dtype)
+jit.gptq_marlin_repack = fake
+repack, _ = mm._sglang_repack_functions()
+w = mm.random_packed_weights(3, 256, 128, seed=1)
+args = mm.marlin_repack_args(w)
+out = repack(*args["w13"])
+assert tuple(out.shape) == (3, 256 // 16, 2 * 128 * 2), out.shape
+assert calls == [((32, 256), (0,), 256, 256, 4)] * 3, calls
+assert [int(out[e, 0, 0]) for e in range(3)] == [1, 2, 3]
+print("ok")
+'''
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
