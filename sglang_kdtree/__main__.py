@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -35,6 +36,7 @@ def doctor() -> int:
         print(f"kdtree resolves:   yes ({type(algo).__module__}.{type(algo).__name__})")
     except Exception as exc:
         print(f"kdtree resolves:   NO ({type(exc).__name__}: {exc})")
+        print(f"                   why: {_why_plugin_did_not_load()}")
         ok = False
     from sglang_kdtree.gpu.runtime import gpu_unavailable_reason
 
@@ -59,6 +61,24 @@ def doctor() -> int:
             ok = False
     print("status:            " + ("OK" if ok else "PROBLEMS FOUND (see above)"))
     return 0 if ok else 1
+
+
+def _why_plugin_did_not_load() -> str:
+    """SGLang's load_plugins() only logs a failing plugin; find the cause and say it."""
+    from importlib.metadata import entry_points
+
+    if not [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kdtree"]:
+        return "no 'kdtree' entry point in group sglang.srt.plugins: sglang-kdtree is not installed in this environment"
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed is not None and "kdtree" not in [name.strip() for name in allowed.split(",")]:
+        return f"SGLANG_PLUGINS={allowed!r} does not list 'kdtree'"
+    try:
+        from sglang_kdtree import plugin
+
+        plugin.register()
+    except Exception as exc:
+        return f"register() raised {type(exc).__name__}: {exc}"
+    return "register() succeeds when called directly; check SGLang's log for the plugin loader's message"
 
 
 def main(argv=None) -> int:
