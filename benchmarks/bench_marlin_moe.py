@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -262,12 +263,21 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     check = {int(t) for t in args.check_tokens.split(",") if t}
     rows = []
-    for name in [s for s in args.shapes.split(",") if s]:
-        run_shape(name, tokens, bw, rows, check)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "bandwidth": bw, "rows": rows}, f, indent=1)
-    print_table(rows, bw, device)
+
+    def stop(signum, frame):  # `timeout` sends SIGTERM: still write and print what was measured
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for name in [s for s in args.shapes.split(",") if s]:
+            run_shape(name, tokens, bw, rows, check)
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc}); {len(rows)} rows measured", flush=True)
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "bandwidth": bw, "rows": rows}, f, indent=1)
+        print_table(rows, bw, device)
     return 0
 
 

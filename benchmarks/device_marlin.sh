@@ -32,7 +32,7 @@ which nvcc >> "$OUT/install.log" 2>&1; nvcc --version >> "$OUT/install.log" 2>&1
 
 step "Marlin JIT (seed from .jitcache/sm90a if present, else compile) in the background"
 SEED=(); [ -d .jitcache/sm90a ] && SEED=(--seed .jitcache/sm90a)
-( timeout "$(left 150)" python3 -m sglang_kdtree.marlin_moe ${SEED[@]+"${SEED[@]}"} --warmup > "$OUT/warmup.log" 2>&1
+( timeout "$(left 180)" python3 -m sglang_kdtree.marlin_moe ${SEED[@]+"${SEED[@]}"} --warmup > "$OUT/warmup.log" 2>&1
   echo $? > "$OUT/warmup.rc" ) &
 WARM=$!
 
@@ -43,11 +43,11 @@ wait "$WARM"
 step "warmup rc=$(cat "$OUT/warmup.rc" 2>/dev/null)"; grep -E "seeded|ready|compiling|Error|error" "$OUT/warmup.log" | tail -5
 
 step "Marlin tests (vs fp32 reference)"
-timeout "$(cap 240 140)" python3 -m pytest -q -p no:cacheprovider -rfEs -k "not glue" tests/gpu/test_marlin_moe_gpu.py \
+timeout "$(cap 240 100)" python3 -m pytest -q -p no:cacheprovider -rfEs -k "not glue" tests/gpu/test_marlin_moe_gpu.py \
   > "$OUT/test_marlin.log" 2>&1; echo "marlin tests rc=$?" | tee -a "$OUT/test_marlin.log"
 
 step "benchmark"
-timeout "$(left 25)" python3 benchmarks/bench_marlin_moe.py --shapes "${BENCH_SHAPES:-tp8,tp1}" \
+timeout "$(left 20)" python3 benchmarks/bench_marlin_moe.py --shapes "${BENCH_SHAPES:-tp8,tp1}" \
   --json "$OUT/bench_marlin.json" > "$OUT/bench_marlin.log" 2>&1; echo "bench rc=$?" | tee -a "$OUT/bench_marlin.log"
 
 step "export the JIT modules for the next run"
