@@ -126,6 +126,9 @@ def unsupported_reason(scheme, layer, dispatch_output) -> str | None:
     reason = device_reason(x)
     if reason is not None:
         return reason
+    scale_dtypes = {getattr(layer, name).dtype for name in ("w13_weight_scale", "w2_weight_scale")}
+    if scale_dtypes != {x.dtype}:
+        return f"the scales are {sorted(map(str, scale_dtypes))}, not the activation dtype {x.dtype}"
     hidden = x.shape[-1]
     intermediate = layer.w2_weight_packed.shape[1] * 16
     if hidden % 128 or intermediate % 64:

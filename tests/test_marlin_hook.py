@@ -170,6 +170,8 @@ def test_routed_scaling_factor_none_is_one(routed):
         (dict(no_combine=True), {}, torch.bfloat16, "no_combine"),
         ({}, dict(dispatcher=SimpleNamespace(local_expert_mapping=torch.arange(E))), torch.bfloat16, "expert parallel"),
         ({}, {}, torch.float16, "float16"),
+        ({}, dict(w2_weight_scale=torch.zeros((E, N // GROUP, K), dtype=torch.float16)), torch.bfloat16,
+         "not the activation dtype"),
         ({}, dict(w2_weight_packed=torch.zeros((E, 96 // 16, 2 * K), dtype=torch.int32)), torch.bfloat16,
          "tiles"),
     ],
