@@ -14,7 +14,8 @@
 //
 // Negative ids are SGLang's "no expert" (padded tokens under CUDA graphs): the route is dropped and its
 // output row is never written. An id >= num_experts is a caller bug: the route is dropped and bit 512 is
-// OR-ed into errors[0] (sglang_kdtree.marlin_moe.ERR_EXPERT_ID).
+// OR-ed into errors[0] (sglang_kdtree.marlin_moe.ERR_EXPERT_ID); with fresh_errors the kernel owns the
+// flag and writes it whole (0 or 512), which saves the caller a zero-fill launch.
 //
 // One CTA does everything: routes are at most a few thousand at verify widths and ~100k in a prefill
 // chunk, and a single CTA needs no grid-wide barrier between count, scan and scatter.
@@ -72,7 +73,7 @@ __device__ int warp_aggregated_add(int* counters, int expert, bool live) {
 template <typename Id>
 __device__ void moe_align_impl(const Id* topk_ids, int numel, int num_experts, int block_size,
                                int* sorted_token_ids, int* expert_ids, int* num_tokens_post_padded,
-                               int* errors) {
+                               int* errors, int fresh_errors) {
   extern __shared__ int shared[];
   int* counts = shared;                 // [num_experts] routes per expert
   int* cursor = shared + num_experts;   // [num_experts] next free slot of each expert's segment
@@ -91,7 +92,13 @@ __device__ void moe_align_impl(const Id* topk_ids, int numel, int num_experts, i
     const bool live = id >= 0 && id < num_experts;
     warp_aggregated_add(counts, live ? (int)id : 0, live);
   }
-  if (__syncthreads_or(bad_id) && threadIdx.x == 0) atomicOr(errors, ERR_EXPERT_ID);
+  const bool any_bad = __syncthreads_or(bad_id);
+  if (threadIdx.x == 0) {
+    if (fresh_errors)
+      *errors = any_bad ? ERR_EXPERT_ID : 0;
+    else if (any_bad)
+      atomicOr(errors, ERR_EXPERT_ID);
+  }
 
   // Each thread owns a contiguous run of experts so the scan keeps ascending expert order.
   const int per_thread = (num_experts + blockDim.x - 1) / blockDim.x;
@@ -125,14 +132,14 @@ __device__ void moe_align_impl(const Id* topk_ids, int numel, int num_experts, i
 
 extern "C" __global__ void moe_align_i32(const int* topk_ids, int numel, int num_experts, int block_size,
                                          int* sorted_token_ids, int* expert_ids, int* num_tokens_post_padded,
-                                         int* errors) {
+                                         int* errors, int fresh_errors) {
   moe_align_impl(topk_ids, numel, num_experts, block_size, sorted_token_ids, expert_ids,
-                 num_tokens_post_padded, errors);
+                 num_tokens_post_padded, errors, fresh_errors);
 }
 
 extern "C" __global__ void moe_align_i64(const i64* topk_ids, int numel, int num_experts, int block_size,
                                          int* sorted_token_ids, int* expert_ids, int* num_tokens_post_padded,
-                                         int* errors) {
+                                         int* errors, int fresh_errors) {
   moe_align_impl(topk_ids, numel, num_experts, block_size, sorted_token_ids, expert_ids,
-                 num_tokens_post_padded, errors);
+                 num_tokens_post_padded, errors, fresh_errors);
 }

@@ -583,15 +583,16 @@ def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=
         expert_ids=torch.empty(capacity // block_size, dtype=torch.int32, device=device),
         num_tokens_post_padded=torch.empty(2, dtype=torch.int32, device=device),
         block_size=block_size,
-        errors=torch.zeros(1, dtype=torch.int32, device=device) if errors is None else errors,
+        errors=torch.empty(1, dtype=torch.int32, device=device) if errors is None else errors,
     )
+    fresh_errors = errors is None  # the kernel then writes the whole flag (no zero-fill launch)
     mod = runtime.load_module("moe_align.cu")
     kernel = mod.get_function("moe_align_i32" if ids.dtype == torch.int32 else "moe_align_i64")
     with launch_stream():
         kernel((1,), (_ALIGN_THREADS,),
                (_ptr(ids), np.int32(numel), np.int32(num_experts), np.int32(block_size),
                 _ptr(align.sorted_token_ids), _ptr(align.expert_ids), _ptr(align.num_tokens_post_padded),
-                _ptr(align.errors)),
+                _ptr(align.errors), np.int32(fresh_errors)),
                shared_mem=2 * num_experts * 4)
     return align
 
