@@ -1,0 +1,161 @@
+"""End-to-end fixtures: tiny checkpoints built offline, and real SGLang servers on CPU as subprocesses.
+
+The server runs with ``SGLANG_USE_CPU_ENGINE=1`` and this folder's ``sgl_kernel_stub`` first on
+``PYTHONPATH`` (the CPU engine imports ``sgl_kernel`` CPU ops that no installable wheel provides; see the
+stub's docstring). The tiny models are built once per session into ``$KDTREE_TINY_MODELS`` (default: a
+pytest temp dir); a folder that already holds a build of the current generator is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+STUB_DIR = HERE / "sgl_kernel_stub"
+REPO = HERE.parent.parent
+
+sys.path.insert(0, str(HERE))
+import make_tiny_models  # noqa: E402
+
+STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_E2E_STARTUP_TIMEOUT", "240"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    root = os.environ.get("KDTREE_TINY_MODELS")
+    out = Path(root) if root else tmp_path_factory.mktemp("tiny_models")
+    make_tiny_models.ensure_built(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(STUB_DIR), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    # Two slow cores: one intra-op thread per process keeps the scheduler and tokenizer processes from
+    # fighting over them.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def base_server_args(model_path: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--sampling-backend", "pytorch",
+        "--dtype", "float32",
+        "--disable-cuda-graph",
+        "--disable-overlap-schedule",
+        "--mem-fraction-static", "0.05",
+        "--max-total-tokens", "16384",
+        "--max-running-requests", "32",
+        "--chunked-prefill-size", "1024",
+        "--page-size", "1",
+        "--skip-server-warmup",
+        "--log-level", "warning",
+    ]
+
+
+class Server:
+    """A running ``sglang.launch_server`` subprocess on 127.0.0.1; ``stop()`` ends its process group."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = int(args[args.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=str(REPO))
+
+    def log_tail(self, n: int = 60) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def generate(self, payload: dict, timeout: float = 300) -> dict | list:
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM the whole process group (launcher, scheduler, detokenizer), then SIGKILL stragglers.
+        Returns the launcher's exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # children (scheduler, detokenizer) share the group; make sure none outlives the test
+        try:
+            os.killpg(self.proc.pid, 0)
+            time.sleep(2)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_server(model_path: Path, log_dir: Path, extra: list[str] | None = None, name: str = "server") -> Server:
+    port = free_port()
+    args = base_server_args(model_path, port) + list(extra or [])
+    return Server(args, log_dir / f"{name}-{port}.log")
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server_logs")
+
+
+@pytest.fixture(scope="module", params=["llama", "dsv3"])
+def plain_server(request, tiny_models, server_logs):
+    """The target served without speculative decoding (the reference for exactness)."""
+    server = start_server(tiny_models / request.param, server_logs, name=f"plain-{request.param}")
+    server.wait_ready()
+    server.model_name = request.param
+    yield server
+    server.stop()
