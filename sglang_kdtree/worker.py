@@ -1,0 +1,333 @@
+"""``KDTreeWorker``: SGLang's DFlash V2 worker with the chain verify replaced by a DDTree round.
+
+Prefill is DFLASH's (target prefill with aux-hidden capture, draft KV materialised for the prompt). Each
+decode round:
+
+1. **Draft block**: the DFlash drafter runs once over ``[bonus, MASK x (bs-1)]`` at positions ``P..P+bs-1``
+   (``bs`` = the drafter's block size, from ``--speculative-dflash-block-size`` or its config).
+2. **Per-depth top-K + logsumexp** of the target ``lm_head`` applied to draft rows ``1..L`` (``K = B``;
+   under TP each rank ranks its vocabulary shard and only the candidates are all-gathered:
+   ``pipeline.vocab_parallel_topk``).
+3. **Tree**: the exact best-first tree of ``B`` nodes (``B = --speculative-num-draft-tokens - 1``).
+4. **Verify input**: ``N = B + 1`` rows ``[root, nodes]``, positions ``P + depth``, SGLang's FULL_MASK
+   (prefix + ancestor-or-self) as ``custom_mask``, bit-packed ``ancestor_bits`` and ``retrieve_*`` links.
+5. **Target verify**: one TARGET_VERIFY forward of the N rows into KV slots ``req_to_token[req, P:P+N]``.
+6. **Accept**: the walk along the target's own argmax (T = 0) or per-node samples (T > 0).
+7. **KV commit**: the accepted path's KV rows move to the slots of positions ``P..P+tau-1``.
+8. **Drafter features**: the target hidden states of the *accepted* rows (not the first tau) are written
+   into the draft KV at those positions.
+9. ``GenerationBatchResult`` with the V2 fields: ``next_token_ids`` of stride N whose first ``tau`` entries
+   are the committed tokens, ``accept_lens = tau`` (bonus included), ``new_seq_lens = P + tau``.
+
+Which implementation runs steps 2-4, 6 and the commit plan is decided in one place,
+``sglang_kdtree.pipeline.select_backend`` (reference on CPU, GPU kernels on CUDA).
+
+Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
+``--disable-overlap-schedule`` is refused at startup). The round still reads lengths on the host (tree
+widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
+
+Sampling at T > 0: temperature only (top-k / top-p / penalties are ignored on this path) with a per-request
+generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from sglang_kdtree.pipeline import select_backend, vocab_parallel_topk
+
+logger = logging.getLogger(__name__)
+
+try:  # SGLang's worker: absent only on installs without SGLang (the plugin then never registers)
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+except ImportError as exc:  # pragma: no cover - exercised only without sglang
+    raise ImportError(f"sglang_kdtree.worker needs SGLang 0.5.23's DFlashWorkerV2: {exc}") from exc
+
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+#: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
+ACTIVE_BLOCK_SIZE: int | None = None
+
+
+class KDTreeVerifyInput(DFlashVerifyInput):
+    """DFLASH's verify input carrying the tree: ``custom_mask`` (FULL_MASK) plus the DDTree extras that
+    tree-aware kernels read (``patches/mla_tree_verify.py`` reads ``ancestor_bits``)."""
+
+    ancestor_bits: torch.Tensor | None = None
+    retrieve_index: torch.Tensor | None = None
+    retrieve_next_token: torch.Tensor | None = None
+    retrieve_next_sibling: torch.Tensor | None = None
+
+
+def _draft_block_size(server_args, draft_model) -> int:
+    if getattr(server_args, "speculative_dflash_block_size", None):
+        return int(server_args.speculative_dflash_block_size)
+    block = getattr(getattr(draft_model, "draft_config", None), "block_size", None)
+    if block is None:
+        block = getattr(draft_model, "block_size", None)
+    if block is None:
+        raise ValueError(
+            "KDTREE: the draft checkpoint's config has no block_size; pass --speculative-dflash-block-size"
+        )
+    return int(block)
+
+
+def _read_draft_block_size(server_args) -> int:
+    """The drafter's block size from the server args or its config.json, before any model is built."""
+    if getattr(server_args, "speculative_dflash_block_size", None):
+        return int(server_args.speculative_dflash_block_size)
+    import json
+    import os
+
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    path = os.path.join(server_args.speculative_draft_model_path, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    block = parse_dflash_draft_config(draft_hf_config=config).block_size
+    if block is None:
+        raise ValueError(
+            f"KDTREE: {path} has no block_size (top level or dflash_config); pass --speculative-dflash-block-size"
+        )
+    return int(block)
+
+
+class KDTreeWorker(DFlashWorkerV2):
+    """DDTree on the DFlash drafter; see the module docstring for the round."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        from sglang.srt.runtime_context import get_spec
+
+        global ACTIVE_BLOCK_SIZE
+        self.verify_width = int(get_spec().speculative_num_draft_tokens)
+        self.budget = self.verify_width - 1
+        block_size = _read_draft_block_size(server_args)
+        ACTIVE_BLOCK_SIZE = block_size
+        # DFlashWorkerV2 sizes its draft block (buffers, draft CUDA graph, conv layout) from
+        # speculative_num_draft_tokens; for DDTree that flag is the verify width, so the drafter is built
+        # with its own block size and a chain (topk 1) draft backend.
+        with self._draft_geometry(block_size):
+            super().__init__(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port,
+                             target_worker=target_worker)
+        if int(self.block_size) != block_size:
+            raise RuntimeError(f"KDTREE: drafter block size {self.block_size} != expected {block_size}")
+        self.depths = block_size - 1
+        self._draft_dtype = next(self.draft_model.parameters()).dtype
+        self.backend = select_backend(self.device)
+        self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
+        self._last_round: dict = {}
+        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend",
+                    self.budget, self.verify_width, block_size, self.backend.name)
+
+    @staticmethod
+    @contextmanager
+    def _draft_geometry(block_size: int):
+        from sglang.srt.runtime_context import get_spec
+
+        with get_spec().override(speculative_num_draft_tokens=int(block_size), speculative_eagle_topk=1):
+            yield
+
+    def init_attention_backends(self):
+        with self._draft_geometry(self.block_size):
+            super().init_attention_backends()
+
+    def init_cuda_graphs(self):
+        with self._draft_geometry(self.block_size):
+            super().init_cuda_graphs()
+
+    def prewarm_sampling(self):
+        with self._draft_geometry(self.block_size):
+            return super().prewarm_sampling()
+
+    # ------------------------------------------------------------------------------------------------
+    # the decode round
+    # ------------------------------------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                                    pp_proxy_tensors=pp_proxy_tensors)
+        if batch.has_grammar:
+            raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
+        if batch.return_logprob:
+            raise ValueError("KDTREE does not return logprobs yet; drop return_logprob")
+        return self._tree_round(batch, on_publish)
+
+    def _gather_slots(self, batch, prefix_lens, width: int) -> torch.Tensor:
+        """``[bs, width]`` KV slots ``req_to_token[req, P : P + width]`` (reserved by prepare_for_decode)."""
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        cols = prefix_lens.to(torch.int64)[:, None] + torch.arange(width, device=prefix_lens.device)[None, :]
+        return req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], cols].to(torch.int64)
+
+    def _draft_block(self, batch, draft_input, prefix_lens):
+        """Run the DFlash drafter over ``[bonus, MASK...]``; returns the draft hidden states [bs, block, H]."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+        from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.speculative.spec_utils import draft_tp_context
+        from sglang.srt.lora.layers import unwrap_lora_layer
+
+        bs, block = len(prefix_lens), int(self.block_size)
+        block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64, device=self.device)
+        block_ids[:, 0] = draft_input.bonus_tokens.to(torch.int64)
+        positions = prefix_lens.to(torch.int64)[:, None] + torch.arange(block, device=self.device)[None, :]
+        cache_loc = self._gather_slots(batch, prefix_lens, block)
+        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model,
+                                                                   self.target_worker.model_runner.model))
+        if self._full_embed_gpu is not None:
+            embeds = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
+        else:
+            embeds = embed(block_ids)
+        if self._noise_embed_scale != 1.0:
+            embeds = embeds * self._noise_embed_scale
+        embeds = embeds.to(self._draft_dtype)
+        seq_lens_cpu = prefix_lens.to("cpu", torch.int64) + block
+        plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, seq_lens_cpu=seq_lens_cpu,
+            write_virtual=cache_loc.reshape(-1), read_extent=block,
+        )
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, out_cache_loc=cache_loc.reshape(-1),
+            seq_lens_sum=int(seq_lens_cpu.sum()), seq_lens_cpu=seq_lens_cpu, positions=positions.reshape(-1),
+            input_embeds=embeds.reshape(-1, embeds.shape[-1]), spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL,
+            global_num_token_non_padded_cpu=bs * block, can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+        )
+        plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            out = self.draft_model_runner.forward(forward_batch)
+        hidden = out.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("KDTREE: the DFlash draft model returned no hidden states")
+        return hidden.view(bs, block, -1)
+
+    def _draft_topk(self, draft_hidden):
+        """Per-depth top-K log-probs of the target head on draft rows 1..L; vocab-parallel under TP."""
+        from sglang.srt.lora.layers import unwrap_lora_layer
+        from sglang.srt.runtime_context import get_parallel
+
+        lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
+        bs, _, hidden_size = draft_hidden.shape
+        rows = draft_hidden[:, 1:, :].reshape(-1, hidden_size).to(lm_head.weight.dtype)
+        local = torch.nn.functional.linear(rows, lm_head.weight).float()
+        shard = getattr(lm_head, "shard_indices", None)
+        tp = get_parallel().tp_size
+        k = min(self.budget, self.vocab_size)
+        if tp == 1:
+            logprobs, ids = self.backend.topk(local[:, : self.vocab_size], k)
+        else:
+            # Columns past the shard's real vocabulary are padding: never candidates.
+            start = int(shard.org_vocab_start_index) if shard is not None else 0
+            real = int(shard.num_org_elements) if shard is not None else local.shape[1]
+            local = local.clone()
+            local[:, real:] = float("-inf")
+            logprobs, ids = vocab_parallel_topk(local, k, start, self.backend,
+                                                group=get_parallel().tp_group.device_group)
+        return logprobs.view(bs, self.depths, -1), ids.view(bs, self.depths, -1)
+
+    def _tree_round(self, batch, on_publish):
+        from sglang.srt.managers.scheduler import GenerationBatchResult
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+        from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+        draft_input = batch.spec_info
+        if not isinstance(draft_input, DFlashDraftInputV2):
+            raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
+        bs, width, device = len(batch.seq_lens), self.verify_width, self.device
+        prefix_lens = batch.seq_lens.to(torch.int64)
+
+        # 1-3: draft block -> per-depth top-K -> tree
+        draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
+        logprobs, ids = self._draft_topk(draft_hidden)
+        trees = self.backend.build(logprobs, ids, self.budget, draft_input.bonus_tokens.to(torch.int64))
+
+        # 4: verify input into the N reserved slots after the committed prefix
+        prefix_cpu = prefix_lens.to("cpu")
+        verify = self.backend.verify_inputs(trees, prefix_lens, seq_lens_sum=int(prefix_cpu.sum()))
+        verify_slots = self._gather_slots(batch, prefix_lens, width)
+        seq_lens_cpu_verify = prefix_cpu + width
+        plan = self.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, seq_lens_cpu=seq_lens_cpu_verify,
+            write_virtual=verify_slots.reshape(-1), read_extent=width,
+        )
+        verify_input = KDTreeVerifyInput(
+            draft_token=verify.input_ids, positions=verify.positions, draft_token_num=width, topk=2,
+            custom_mask=verify.full_mask, capture_hidden_mode=CaptureHiddenMode.FULL, kv_loc_plan=plan,
+        )
+        verify_input.ancestor_bits = verify.ancestor_bits
+        verify_input.retrieve_index = verify.retrieve_index
+        verify_input.retrieve_next_token = verify.retrieve_next_token
+        verify_input.retrieve_next_sibling = verify.retrieve_next_sibling
+        batch.out_cache_loc = verify_slots.reshape(-1)
+        saved_cpu, saved_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+        batch.seq_lens_cpu = seq_lens_cpu_verify
+        batch.seq_lens_sum = int(seq_lens_cpu_verify.sum())
+        verify_fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved_cpu, saved_sum
+
+        # 5: target verify
+        target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
+                                                                 is_verify=True, skip_attn_backend_init=True)
+        logits_output = target_out.logits_output
+        logits = logits_output.next_token_logits[:, : self.vocab_size].reshape(bs, width, -1)
+
+        # 6: accept
+        sampling = batch.sampling_info
+        if sampling is None or sampling.is_all_greedy:
+            acc = self.backend.accept_greedy(trees, logits, self.depths)
+        else:
+            seeds = (sampling.sampling_seed if sampling.sampling_seed is not None
+                     else torch.randint(0, 2**31 - 1, (bs,), device=device))
+            acc = self.backend.accept_sampled(trees, logits, sampling.temperatures.view(-1), seeds.view(-1),
+                                              prefix_lens, self.depths)
+        accept_lens = acc.accept_lens.to(torch.int64)
+        new_seq_lens = prefix_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # 7: KV commit: the accepted path to the slots of positions P..P+tau-1 (read all, then write)
+        commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)
+        valid = commit.src_slots >= 0
+        moving = valid & (commit.src_slots != commit.dst_slots)
+        if bool(moving.any()):
+            self.target_worker.model_runner.token_to_kv_pool.move_kv_cache(
+                commit.dst_slots[moving], commit.src_slots[moving])
+
+        # 8: drafter features from the accepted rows, written at chain positions P..P+tau-1
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("KDTREE verify requires target hidden states, but got None")
+        rows = torch.where(valid, commit.hidden_rows, torch.zeros_like(commit.hidden_rows))
+        accepted_hidden = hidden[rows.reshape(-1)].view(bs, -1, hidden.shape[-1])
+        commit_width = accepted_hidden.shape[1]
+        chain_positions = prefix_lens[:, None] + torch.arange(commit_width, device=device)[None, :]
+        draft_slots = self._draft_write_ids(plan).view(bs, width)[:, :commit_width]
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=accepted_hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+            cache_loc=draft_slots.reshape(-1).contiguous(), cache_loc_2d=draft_slots.contiguous(),
+            positions=chain_positions.reshape(-1), commit_lens=accept_lens.to(torch.int32),
+        )
+        logits_output.hidden_states = None
+
+        # 9: the V2 result: stride-N token rows whose first tau entries are committed
+        out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
+        committed = acc.committed[:, : min(width, acc.committed.shape[1])]
+        out_tokens[:, : committed.shape[1]] = committed.clamp_min(0)
+        self._last_round = {"accept_lens": accept_lens, "accepted": acc.accepted, "num_nodes": trees.num_nodes}
+        next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=accept_lens.to(torch.int32),
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=width,
+            new_seq_lens=new_seq_lens,
+            routed_experts_output=target_out.routed_experts_output,
+            indexer_topk_output=target_out.indexer_topk_output,
+        )
