@@ -380,15 +380,17 @@ class _MarlinEmulator:
         self.workspace_min = workspace_min
         self.calls = []
 
-    def __call__(self, a, c, b_q_weight, b_bias, b_scales, global_scale, b_zeros, g_idx, perm, workspace,
+    def __call__(self, a, c_or_none, b_q_weight, b_bias_or_none, b_scales, global_scale_or_none, b_zeros_or_none,
+                 g_idx_or_none, perm_or_none, workspace,
                  sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, *, moe_block_size, top_k,
                  mul_topk_weights, is_ep, b_q_type, size_m, size_n, size_k, is_k_full=True, use_atomic_add=False,
                  use_fp32_reduce=False, is_zp_float=False, expert_ids_are_sorted=False,
                  zero_inactive_output=False, has_inactive_prefix_count=False):
         self.calls.append(dict(top_k=top_k, mul=mul_topk_weights, size_m=size_m, size_n=size_n, size_k=size_k,
                                block=moe_block_size))
-        assert b_q_type.id == mm.UINT4B8.id and not is_ep and b_bias is None and b_zeros is None
-        assert g_idx is None and perm is None and global_scale is None
+        c = c_or_none
+        assert b_q_type.id == mm.UINT4B8.id and not is_ep and b_bias_or_none is None and b_zeros_or_none is None
+        assert g_idx_or_none is None and perm_or_none is None and global_scale_or_none is None
         assert not (expert_ids_are_sorted or zero_inactive_output or has_inactive_prefix_count)
         assert moe_block_size == 8 or (moe_block_size % 16 == 0 and 16 <= moe_block_size <= 64)
         assert tuple(a.shape) == (size_m, size_k) and a.is_contiguous()
@@ -421,6 +423,11 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     the garbage-filled intermediate buffers stay unread wherever a route is dropped."""
     import sglang.kernels.ops.moe.moe_wna16_marlin as sgl_marlin
 
+    import inspect
+
+    # the emulator takes exactly the installed SGLang's parameters (fused_moe_marlin passes keywords)
+    assert list(inspect.signature(inspect.unwrap(sgl_marlin.moe_wna16_marlin_gemm)).parameters) == list(
+        inspect.signature(_MarlinEmulator.__call__).parameters)[1:]
     E, K, N, top_k, M = 8, 256, 128, 4, 9
     packed = mm.random_packed_weights(E, K, N, seed=31)
     marlin = mm.MarlinMoEWeights(
