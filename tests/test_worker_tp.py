@@ -1,0 +1,57 @@
+"""Vocab-parallel top-K for the drafter under tensor parallelism, across two real gloo processes:
+only the shards' K candidates and logsumexps travel, every rank gets the same result, and it equals the
+unsharded ``reference.topk_logprobs`` (ids exactly, log-probs within float32 rounding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang_kdtree import reference
+from sglang_kdtree.pipeline import ReferenceBackend, vocab_parallel_topk
+
+WORLD = 2
+
+
+def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, vocab)).astype(np.float32)
+    x[:, ::7] = np.round(x[:, ::7])  # exact ties across shards: lower id must win
+    x[0, : vocab // 2] = -np.inf  # a row that is impossible on rank 0's whole shard
+    return x
+
+
+def _rank_main(rank: int, init_file: str, rows: int, vocab: int, k: int, seed: int, out_file: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        full = _logits(rows, vocab, seed)
+        shard = vocab // WORLD
+        local = torch.from_numpy(full[:, rank * shard : (rank + 1) * shard].copy())
+        logprobs, ids = vocab_parallel_topk(local, k, rank * shard, ReferenceBackend("cpu"))
+        np.savez(f"{out_file}.{rank}.npz", logprobs=logprobs.numpy(), ids=ids.numpy())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(7, 64, 16), (3, 40, 40), (5, 128, 1)])
+def test_vocab_parallel_topk_across_two_gloo_ranks(tmp_path, rows, vocab, k):
+    out = str(tmp_path / "result")
+    mp.spawn(_rank_main, args=(str(tmp_path / "init"), rows, vocab, k, 11, out), nprocs=WORLD, join=True)
+    results = [np.load(f"{out}.{r}.npz") for r in range(WORLD)]
+    expected_lp, expected_ids = reference.topk_logprobs(_logits(rows, vocab, 11), k)
+    for res in results:
+        np.testing.assert_array_equal(res["ids"], expected_ids)
+        np.testing.assert_allclose(res["logprobs"], expected_lp, rtol=0, atol=2e-6)
+    np.testing.assert_array_equal(results[0]["ids"], results[1]["ids"])
+    np.testing.assert_array_equal(results[0]["logprobs"], results[1]["logprobs"])
+
+
+def test_single_process_world_needs_no_communication():
+    full = _logits(4, 32, 3)
+    logprobs, ids = vocab_parallel_topk(torch.from_numpy(full), 8, 0, ReferenceBackend("cpu"))
+    expected_lp, expected_ids = reference.topk_logprobs(full, 8)
+    np.testing.assert_array_equal(ids.numpy(), expected_ids)
+    np.testing.assert_allclose(logprobs.numpy(), expected_lp, rtol=0, atol=2e-6)
