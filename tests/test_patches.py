@@ -11,7 +11,8 @@ import pytest
 
 from sglang_kdtree import patches
 
-ALWAYS_HOOKED = ("torch_native_verify", "decode_reserve", "cpu_draft_backend", "input_embeds_dtype")
+ALWAYS_HOOKED = ("torch_native_verify", "decode_reserve", "cpu_draft_backend", "input_embeds_dtype",
+                 "verify_graph_spec_info")
 MODULES = [importlib.import_module(f"sglang_kdtree.patches.{name}") for name in patches.PATCH_MODULES]
 
 
@@ -92,3 +93,90 @@ def test_register_all_uses_hook_registry_and_is_idempotent():
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# behaviour of the patches on plain objects (no server)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _tree_verify_case(seed=0):
+    """Two requests (prefix 3 and 5), N = 4 rows each, a real DDTree tree mask."""
+    import numpy as np
+    import torch
+
+    from sglang_kdtree import reference
+
+    rng = np.random.default_rng(seed)
+    logprobs = np.sort(np.log(rng.dirichlet(np.ones(6), size=(2, 3))).astype(np.float32), axis=-1)[..., ::-1]
+    ids = np.argsort(-rng.normal(size=(2, 3, 6)), axis=-1)
+    trees = reference.build_trees(np.ascontiguousarray(logprobs), ids.astype(np.int64), 3, np.array([1, 2]))
+    prefix = np.array([3, 5])
+    vi = reference.verify_inputs(trees, prefix)
+    return torch.from_numpy(vi.full_mask), prefix, vi
+
+
+def test_torch_native_verify_honours_the_tree_mask():
+    import torch
+
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sglang_kdtree.patches import torch_native_verify
+
+    full_mask, prefix, vi = _tree_verify_case()
+    width, heads, dim = 4, 2, 8
+    slots = 40
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(slots, 1, dim), torch.randn(slots, 1, dim)
+    req_to_token = torch.zeros(3, 16, dtype=torch.int32)
+    req_to_token[2, :9] = torch.tensor([30, 31, 32, 5, 6, 7, 8, 0, 0])  # request 0: prefix 3 + 4 rows
+    req_to_token[0, :9] = torch.tensor([10, 11, 12, 13, 14, 20, 21, 22, 23])  # request 1: prefix 5 + 4 rows
+    backend = _Obj(token_to_kv_pool=_Obj(get_key_buffer=lambda i: k_cache, get_value_buffer=lambda i: v_cache),
+                   req_to_token_pool=_Obj(req_to_token=req_to_token))
+    layer = _Obj(tp_q_head_num=heads, tp_k_head_num=1, qk_head_dim=dim, v_head_dim=dim, scaling=0.3,
+                 attn_type=AttentionType.DECODER, layer_id=0)
+    fb = _Obj(seq_lens=torch.tensor(prefix), req_pool_indices=torch.tensor([2, 0]),
+              spec_info=_Obj(draft_token_num=width, custom_mask=full_mask))
+    q = torch.randn(2 * width, heads * dim)
+    out = torch_native_verify.verify_attention(q, layer, fb, backend).view(2 * width, heads, dim)
+
+    offset = 0
+    for b, req in enumerate([2, 0]):
+        kv_len = int(prefix[b]) + width
+        allowed = full_mask[offset : offset + width * kv_len].view(width, kv_len)
+        offset += width * kv_len
+        keys, values = k_cache[req_to_token[req, :kv_len].long(), 0], v_cache[req_to_token[req, :kv_len].long(), 0]
+        for i in range(width):
+            for h in range(heads):
+                scores = (keys @ q[b * width + i].view(heads, dim)[h]) * 0.3
+                scores[~allowed[i]] = float("-inf")
+                expected = torch.softmax(scores, 0) @ values
+                torch.testing.assert_close(out[b * width + i, h], expected, rtol=1e-5, atol=1e-5)
+    # the case really is a tree (siblings exist), so a causal chain would have attended differently
+    assert (vi.retrieve_next_sibling >= 0).any()
+
+
+def test_graph_spec_info_is_tree_for_kdtree_target_only():
+    import torch
+
+    from sglang_kdtree.patches import verify_graph_spec_info as patch
+    from sglang_kdtree.worker import KDTreeVerifyInput
+
+    mask = torch.ones(64, dtype=torch.bool)
+    calls = []
+    original = lambda self, n: calls.append(n) or "original"  # noqa: E731
+    runner = _Obj(model_runner=_Obj(spec_algorithm=_Obj(name="KDTREE"), is_draft_worker=False),
+                  buffers=_Obj(custom_mask=mask), captured_req_width=17)
+    info = patch.get_spec_info(original, runner, 34)
+    assert isinstance(info, KDTreeVerifyInput)
+    assert info.custom_mask is mask and info.draft_token_num == 17 and info.topk == 2
+    runner.model_runner.is_draft_worker = True
+    assert patch.get_spec_info(original, runner, 16) == "original"
+    runner.model_runner = _Obj(spec_algorithm=_Obj(name="DFLASH"), is_draft_worker=False)
+    assert patch.get_spec_info(original, runner, 16) == "original"
+    assert calls == [16, 16]
