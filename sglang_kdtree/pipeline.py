@@ -145,6 +145,20 @@ class ReferenceBackend:
         return TorchAccept(*(self._t(np.concatenate([getattr(p, f) for p in parts]))
                              for f in ("accepted", "accept_lens", "bonus", "committed")))
 
+    def sample_tokens(self, logits, temperatures, seeds, seq_lens) -> torch.Tensor:
+        """One token per row from ``softmax(logits / T)`` with the generator of ``accept_sampled``
+        (seeded by ``(seed, seq_len, 1)``: the extra word keeps these draws independent of the round that
+        starts at the same length): ``[bs, V]`` -> ``[bs]`` int64."""
+        logits_np = _np(logits.float())
+        temps = _np(temperatures.float()).reshape(-1)
+        seeds_np = _np(seeds).reshape(-1).astype(np.int64)
+        lens = _np(seq_lens).reshape(-1).astype(np.int64)
+        out = np.empty(len(temps), dtype=np.int64)
+        for b in range(len(temps)):
+            rng = np.random.default_rng([int(seeds_np[b]) & 0xFFFFFFFFFFFF, int(lens[b]), 1])
+            out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), rng)[0, 0]
+        return self._t(out)
+
     def commit_plan(self, accepted, accept_lens, verify_slots) -> TorchCommitPlan:
         plan = reference.commit_plan(_np(accepted), _np(accept_lens), _np(verify_slots).astype(np.int64))
         return TorchCommitPlan(self._t(plan.src_slots), self._t(plan.dst_slots), self._t(plan.hidden_rows),
@@ -182,6 +196,11 @@ class GpuBackend:
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth):
         return self._accept.accept_sampled(trees, logits, temperatures, seeds, seq_lens.to(torch.int64), max_depth)
+
+    def sample_tokens(self, logits, temperatures, seeds, seq_lens) -> torch.Tensor:
+        # Rare (a seeded request's prefill token outside deterministic mode): the reference sampler on a
+        # host copy keeps one definition of the seeded draw.
+        return ReferenceBackend(self.device).sample_tokens(logits, temperatures, seeds, seq_lens)
 
     def commit_plan(self, accepted, accept_lens, verify_slots):
         return self._compact.commit_plan(accepted, accept_lens, verify_slots)

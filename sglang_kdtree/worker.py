@@ -27,12 +27,16 @@ Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server w
 widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
 
 Sampling at T > 0: temperature only (top-k / top-p / penalties are ignored on this path) with a per-request
-generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible.
+generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible
+(the prefill's token of a seeded request is drawn by the same sampler; SGLang itself honours seeds only
+under ``--enable-deterministic-inference``, which CPU backends do not support).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from contextlib import contextmanager
 
 import torch
@@ -47,6 +51,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"sglang_kdtree.worker needs SGLang 0.5.23's DFlashWorkerV2: {exc}") from exc
 
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+#: Environment variable naming a file that receives one JSON line per decode round (tests, analysis).
+ROUND_LOG_ENV = "KDTREE_ROUND_LOG"
 
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
 ACTIVE_BLOCK_SIZE: int | None = None
@@ -118,7 +125,9 @@ class KDTreeWorker(DFlashWorkerV2):
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
         self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
-        self._last_round: dict = {}
+        # Opt-in per-round record (one JSON line per round) for tests and offline analysis; costs a host
+        # sync per round, so it is off unless the variable names a file.
+        self._round_log = os.environ.get(ROUND_LOG_ENV) or None
         logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend",
                     self.budget, self.verify_width, block_size, self.backend.name)
 
@@ -148,13 +157,47 @@ class KDTreeWorker(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                                                    pp_proxy_tensors=pp_proxy_tensors)
+            result = super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                                      pp_proxy_tensors=pp_proxy_tensors)
+            if not batch.forward_mode.is_idle():
+                self._reseed_prefill_samples(batch, result)
+            return result
         if batch.has_grammar:
             raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
         if batch.return_logprob:
             raise ValueError("KDTREE does not return logprobs yet; drop return_logprob")
         return self._tree_round(batch, on_publish)
+
+    def _request_seeds(self, batch) -> tuple[torch.Tensor, list[bool]]:
+        """Per-request sampling seeds: SGLang's (deterministic-inference mode), else each request's own
+        ``sampling_seed`` (which SGLang ignores outside that mode), else a fresh random one."""
+        sampling = batch.sampling_info
+        if sampling is not None and sampling.sampling_seed is not None:
+            return sampling.sampling_seed.view(-1).to(torch.int64), [False] * len(batch.reqs)
+        seeds, own = [], []
+        for req in batch.reqs:
+            seed = req.sampling_params.sampling_seed
+            own.append(seed is not None)
+            seeds.append(int(seed) if seed is not None else int(torch.randint(0, 2**31 - 1, ())))
+        return torch.tensor(seeds, dtype=torch.int64, device=self.device), own
+
+    def _reseed_prefill_samples(self, batch, result) -> None:
+        """Outside deterministic-inference mode SGLang samples the prefill's token without the request's
+        seed; for seeded requests at T > 0 draw it again with the same seeded sampler as the tree rounds,
+        so a seeded request is reproducible end to end."""
+        sampling = batch.sampling_info
+        logits = getattr(result.logits_output, "next_token_logits", None)
+        if sampling is None or sampling.is_all_greedy or logits is None:
+            return
+        seeds, own = self._request_seeds(batch)
+        temps = sampling.temperatures.view(-1)
+        rows = [b for b, mine in enumerate(own) if mine and float(temps[b]) > 0]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=self.device)
+        drawn = self.backend.sample_tokens(logits[index, : self.vocab_size], temps[index], seeds[index],
+                                           batch.seq_lens[index])
+        result.next_token_ids[index] = drawn.to(result.next_token_ids.dtype)
 
     def _gather_slots(self, batch, prefix_lens, width: int) -> torch.Tensor:
         """``[bs, width]`` KV slots ``req_to_token[req, P : P + width]`` (reserved by prepare_for_decode)."""
@@ -229,6 +272,23 @@ class KDTreeWorker(DFlashWorkerV2):
                                                 group=get_parallel().tp_group.device_group)
         return logprobs.view(bs, self.depths, -1), ids.view(bs, self.depths, -1)
 
+    def _log_round(self, acc, verify, trees) -> None:
+        """Append ``{"accept_lens", "sibling_accepts", "num_nodes"}`` for this round to ``$KDTREE_ROUND_LOG``.
+
+        ``sibling_accepts[b]`` counts accepted nodes that are not their parent's first child (rank > 0 at
+        their depth): acceptance the chain drafter (DFLASH) could not have had.
+        """
+        accepted = acc.accepted.to("cpu")
+        first_child = verify.retrieve_next_token.to("cpu")
+        lens = acc.accept_lens.to("cpu").tolist()
+        siblings = []
+        for b, tau in enumerate(lens):
+            path = accepted[b, :tau].tolist()
+            siblings.append(sum(int(first_child[b, p]) != c for p, c in zip(path, path[1:])))
+        record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist()}
+        with open(self._round_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def _tree_round(self, batch, on_publish):
         from sglang.srt.managers.scheduler import GenerationBatchResult
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -281,8 +341,7 @@ class KDTreeWorker(DFlashWorkerV2):
         if sampling is None or sampling.is_all_greedy:
             acc = self.backend.accept_greedy(trees, logits, self.depths)
         else:
-            seeds = (sampling.sampling_seed if sampling.sampling_seed is not None
-                     else torch.randint(0, 2**31 - 1, (bs,), device=device))
+            seeds, _ = self._request_seeds(batch)
             acc = self.backend.accept_sampled(trees, logits, sampling.temperatures.view(-1), seeds.view(-1),
                                               prefix_lens, self.depths)
         accept_lens = acc.accept_lens.to(torch.int64)
@@ -318,7 +377,8 @@ class KDTreeWorker(DFlashWorkerV2):
         out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
         committed = acc.committed[:, : min(width, acc.committed.shape[1])]
         out_tokens[:, : committed.shape[1]] = committed.clamp_min(0)
-        self._last_round = {"accept_lens": accept_lens, "accepted": acc.accepted, "num_nodes": trees.num_nodes}
+        if self._round_log is not None:
+            self._log_round(acc, verify, trees)
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,

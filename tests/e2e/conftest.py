@@ -45,8 +45,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict:
+def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    env.update(extra or {})
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(STUB_DIR), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
@@ -82,12 +83,12 @@ def base_server_args(model_path: Path, port: int) -> list[str]:
 class Server:
     """A running ``sglang.launch_server`` subprocess on 127.0.0.1; ``stop()`` ends its process group."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.port = int(args[args.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, env=server_env(env), stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=str(REPO))
 
     def log_tail(self, n: int = 60) -> str:
@@ -140,10 +141,11 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(model_path: Path, log_dir: Path, extra: list[str] | None = None, name: str = "server") -> Server:
+def start_server(model_path: Path, log_dir: Path, extra: list[str] | None = None, name: str = "server",
+                 env: dict | None = None) -> Server:
     port = free_port()
     args = base_server_args(model_path, port) + list(extra or [])
-    return Server(args, log_dir / f"{name}-{port}.log")
+    return Server(args, log_dir / f"{name}-{port}.log", env)
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +153,7 @@ def server_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server_logs")
 
 
-@pytest.fixture(scope="module", params=["llama", "dsv3"])
+@pytest.fixture(scope="session", params=["llama", "dsv3"])
 def plain_server(request, tiny_models, server_logs):
     """The target served without speculative decoding (the reference for exactness)."""
     server = start_server(tiny_models / request.param, server_logs, name=f"plain-{request.param}")

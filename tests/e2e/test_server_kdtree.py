@@ -1,0 +1,167 @@
+"""End to end on the real SGLang server (CPU): ``--speculative-algorithm kdtree`` against the same target
+served without speculation, for the tiny Llama (MHA) and DeepSeek-V3 (MLA + MoE) targets.
+
+Servers are subprocesses on 127.0.0.1 (``conftest.py``); requests go over HTTP, concurrently, so the
+scheduler forms batches of requests with different prefix lengths that join and leave while running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import start_server
+import make_tiny_models as tiny
+
+pytestmark = pytest.mark.slow
+
+BUDGET = 16
+VERIFY_WIDTH = BUDGET + 1
+NEW_TOKENS = 24
+
+
+def _prompts(count: int = 18, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 40] + [rng.randint(1, 40) for _ in range(count - 9)]
+    return [[rng.randrange(tiny.NUM_WORDS) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = _prompts()
+
+
+def _kdtree_args(tiny_models, name: str, width: int = VERIFY_WIDTH) -> list[str]:
+    return ["--speculative-algorithm", "kdtree",
+            "--speculative-draft-model-path", str(tiny_models / f"{name}-dflash"),
+            "--speculative-num-draft-tokens", str(width)]
+
+
+@pytest.fixture(scope="module")
+def kdtree_server(plain_server, tiny_models, server_logs):
+    name = plain_server.model_name
+    round_log = server_logs / f"rounds-{name}.jsonl"
+    round_log.unlink(missing_ok=True)
+    server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name),
+                          name=f"kdtree-{name}", env={"KDTREE_ROUND_LOG": str(round_log)})
+    server.wait_ready()
+    server.model_name = name
+    server.round_log = round_log
+    yield server
+    pid = server.proc.pid
+    started = time.time()
+    server.stop()
+    # Clean shutdown: the whole process group (launcher, scheduler, detokenizer) is gone, promptly.
+    assert time.time() - started < 60
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+def _concurrent(server, payloads: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+        return list(pool.map(server.generate, payloads))
+
+
+def _greedy(prompt, **params) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, **params}}
+
+
+@pytest.fixture(scope="module")
+def greedy_results(plain_server, kdtree_server):
+    payloads = [_greedy(p) for p in PROMPTS]
+    return _concurrent(plain_server, payloads), _concurrent(kdtree_server, payloads)
+
+
+def test_greedy_outputs_identical_to_plain_server(greedy_results):
+    plain, spec = greedy_results
+    for prompt, a, b in zip(PROMPTS, plain, spec):
+        assert b["output_ids"] == a["output_ids"], f"prompt {prompt}"
+        assert len(b["output_ids"]) == NEW_TOKENS
+
+
+def test_mean_accept_length_and_metrics(greedy_results):
+    _, spec = greedy_results
+    tokens = sum(r["meta_info"]["completion_tokens"] for r in spec)
+    rounds = sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+    assert rounds > 0, "no speculative round reached the per-request metrics"
+    # every request's own metric is consistent with its counts (the DFLASH meta_info fields)
+    for r in spec:
+        m = r["meta_info"]
+        assert m["spec_accept_length"] == pytest.approx(m["completion_tokens"] / m["spec_verify_ct"], rel=0.35)
+    assert tokens / rounds > 1.5
+
+
+def test_acceptance_through_non_first_sibling(greedy_results, kdtree_server):
+    records = [json.loads(line) for line in kdtree_server.round_log.read_text().splitlines()]
+    assert records, "the worker wrote no round records"
+    lens = [t for r in records for t in r["accept_lens"]]
+    assert max(lens) >= 3, "no multi-token acceptance"
+    assert sum(s for r in records for s in r["sibling_accepts"]) > 0, "no accepted non-first sibling"
+    assert max(len(r["accept_lens"]) for r in records) > 1, "never more than one request per batch"
+    assert all(1 <= n <= BUDGET for r in records for n in r["num_nodes"])
+
+
+def test_stop_token_inside_accepted_path(plain_server, kdtree_server, greedy_results):
+    plain, _ = greedy_results
+    # A token the target emits at output index >= 3: with accept lengths ~3-5 it lands inside a path.
+    prompt, reference = next((p, r["output_ids"]) for p, r in zip(PROMPTS, plain) if len(set(r["output_ids"][:3])) == 3)
+    stop = reference[4]
+    cut = reference.index(stop)
+    payload = _greedy(prompt, stop_token_ids=[stop])
+    a, b = plain_server.generate(payload), kdtree_server.generate(payload)
+    assert b["output_ids"] == a["output_ids"]
+    assert b["output_ids"][: cut] == reference[:cut] and len(b["output_ids"]) <= cut + 1
+    assert b["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5, 11])
+def test_max_new_tokens_cut(plain_server, kdtree_server, max_new_tokens):
+    payload = {"input_ids": PROMPTS[5], "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    a, b = plain_server.generate(payload), kdtree_server.generate(payload)
+    assert b["output_ids"] == a["output_ids"]
+    assert len(b["output_ids"]) == max_new_tokens
+    assert b["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sampling_with_seed_is_reproducible(kdtree_server):
+    def sampled(seed):
+        payloads = [{"input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 1.5,
+                                                         "sampling_seed": seed}} for p in PROMPTS[:6]]
+        return [r["output_ids"] for r in _concurrent(kdtree_server, payloads)]
+
+    first, again, other = sampled(1234), sampled(1234), sampled(99)
+    assert first == again
+    assert first != other
+    assert all(0 <= t < tiny.VOCAB_SIZE and len(ids) == 16 for ids in first for t in ids)
+
+
+def _expect_startup_failure(tiny_models, server_logs, extra, message):
+    server = start_server(tiny_models / "llama", server_logs, extra=extra, name="invalid")
+    try:
+        rc = server.proc.wait(timeout=180)
+    finally:
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert rc != 0
+    assert message in log, log[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--speculative-num-draft-tokens", "1"], "KDTREE: --speculative-num-draft-tokens 1 is out of range"),
+        (["--speculative-num-draft-tokens", "2000"], "KDTREE: --speculative-num-draft-tokens 2000 is out of range"),
+    ],
+)
+def test_invalid_budget_fails_at_startup(tiny_models, server_logs, extra, message):
+    args = _kdtree_args(tiny_models, "llama")[:-2] + extra
+    _expect_startup_failure(tiny_models, server_logs, args, message)
+
+
+def test_unsupported_backend_fails_at_startup(tiny_models, server_logs):
+    # conftest passes --attention-backend torch_native; a later flag wins in argparse
+    args = _kdtree_args(tiny_models, "llama") + ["--attention-backend", "flashmla"]
+    _expect_startup_failure(tiny_models, server_logs, args, "KDTREE: --attention-backend flashmla")

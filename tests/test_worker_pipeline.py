@@ -1,0 +1,79 @@
+"""The worker's backend object on CPU: ``select_backend`` picks the reference, and its torch-in/torch-out
+methods are exactly the reference's semantics (a round assembled from them equals the numpy oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sglang_kdtree import reference
+from sglang_kdtree.pipeline import ReferenceBackend, select_backend
+
+
+def _round_inputs(seed=0, bs=3, depths=4, vocab=12, budget=6):
+    rng = np.random.default_rng(seed)
+    draft_logits = rng.normal(size=(bs, depths, vocab)).astype(np.float32) * 3
+    target_logits = rng.normal(size=(bs, budget + 1, vocab)).astype(np.float32) * 3
+    roots = rng.integers(0, vocab, size=bs)
+    seq_lens = np.array([5, 1, 9])[:bs]
+    return draft_logits, target_logits, roots, seq_lens
+
+
+def test_cpu_selects_the_reference():
+    assert select_backend("cpu").name == "reference"
+
+
+def test_round_matches_the_numpy_oracle():
+    draft_logits, target_logits, roots, seq_lens = _round_inputs()
+    budget, backend = 6, ReferenceBackend("cpu")
+    lp, ids = backend.topk(torch.from_numpy(draft_logits), budget)
+    trees = backend.build(lp, ids, budget, torch.from_numpy(roots))
+    vi = backend.verify_inputs(trees, torch.from_numpy(seq_lens))
+    acc = backend.accept_greedy(trees, torch.from_numpy(target_logits), 4)
+    slots = torch.arange(3 * 7).view(3, 7) * 2
+    plan = backend.commit_plan(acc.accepted, acc.accept_lens, slots)
+
+    ref_lp, ref_ids = reference.topk_logprobs(draft_logits, budget)
+    ref_trees = reference.build_trees(ref_lp, ref_ids, budget, roots)
+    ref_vi = reference.verify_inputs(ref_trees, seq_lens)
+    ref_acc = reference.accept_greedy(ref_trees, target_logits, 4)
+    ref_plan = reference.commit_plan(ref_acc.accepted, ref_acc.accept_lens, slots.numpy())
+    np.testing.assert_array_equal(trees.tokens.numpy(), ref_trees.tokens)
+    np.testing.assert_array_equal(trees.parents.numpy(), ref_trees.parents)
+    np.testing.assert_array_equal(vi.full_mask.numpy(), ref_vi.full_mask)
+    np.testing.assert_array_equal(vi.positions.numpy(), ref_vi.positions)
+    np.testing.assert_array_equal(vi.ancestor_bits.numpy().view(np.uint32), ref_vi.ancestor_bits)
+    np.testing.assert_array_equal(acc.committed.numpy(), ref_acc.committed)
+    np.testing.assert_array_equal(plan.src_slots.numpy(), ref_plan.src_slots)
+    np.testing.assert_array_equal(plan.hidden_rows.numpy(), ref_plan.hidden_rows)
+
+
+def test_sampled_accept_is_seeded_per_request_and_greedy_at_zero_temperature():
+    draft_logits, target_logits, roots, seq_lens = _round_inputs(seed=1)
+    backend = ReferenceBackend("cpu")
+    lp, ids = backend.topk(torch.from_numpy(draft_logits), 6)
+    trees = backend.build(lp, ids, 6, torch.from_numpy(roots))
+    logits = torch.from_numpy(target_logits)
+    temps = torch.tensor([0.0, 1.0, 1.0])
+    run = lambda seeds: backend.accept_sampled(trees, logits, temps, torch.tensor(seeds), torch.from_numpy(seq_lens), 4)  # noqa: E731
+    a, b = run([1, 2, 3]), run([1, 2, 3])
+    np.testing.assert_array_equal(a.committed.numpy(), b.committed.numpy())
+    greedy = backend.accept_greedy(trees, logits, 4)
+    np.testing.assert_array_equal(a.committed.numpy()[0], greedy.committed.numpy()[0])
+    # request 1's draw depends on its own seed only (not on request 2's)
+    c = run([1, 2, 99])
+    np.testing.assert_array_equal(a.committed.numpy()[1], c.committed.numpy()[1])
+    draws = {tuple(run([1, s, 3]).committed.numpy()[1]) for s in range(20)}
+    assert len(draws) > 1
+
+
+def test_sample_tokens_is_reproducible_and_follows_temperature():
+    backend = ReferenceBackend("cpu")
+    logits = torch.tensor([[0.0, 9.0, 0.0, 0.0]] * 64)
+    seeds = torch.arange(64)
+    lens = torch.full((64,), 7)
+    cold = backend.sample_tokens(logits, torch.full((64,), 0.05), seeds, lens)
+    assert (cold == 1).all()
+    hot = backend.sample_tokens(logits, torch.full((64,), 50.0), seeds, lens)
+    assert torch.equal(hot, backend.sample_tokens(logits, torch.full((64,), 50.0), seeds, lens))
+    assert len(set(hot.tolist())) > 1
