@@ -76,6 +76,24 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").numpy()
 
 
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws the token at absolute ``position`` of a request seeded ``seed``."""
+    return float(np.random.default_rng([int(seed) & 0xFFFFFFFFFFFF, int(position)]).random())
+
+
+class _Uniforms:
+    """Stands in for the ``numpy.random.Generator`` of ``reference.sample_node_tokens``: it hands out the
+    prepared per-node uniforms (the reference keeps the one definition of the inverse-CDF draw)."""
+
+    def __init__(self, uniforms: np.ndarray):
+        self._uniforms = uniforms
+
+    def random(self, shape):
+        if tuple(shape) != self._uniforms.shape:
+            raise ValueError(f"prepared uniforms have shape {self._uniforms.shape}, the draw wants {tuple(shape)}")
+        return self._uniforms
+
+
 def _tree_batch(trees) -> reference.TreeBatch:
     return reference.TreeBatch(tokens=_np(trees.tokens), depths=_np(trees.depths), parents=_np(trees.parents),
                                num_nodes=_np(trees.num_nodes))
@@ -125,9 +143,15 @@ class ReferenceBackend:
         return self._accept(reference.accept_greedy(_tree_batch(trees), _np(logits.float()), max_depth))
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth) -> TorchAccept:
-        """Per request: greedy where ``temperatures[b] <= 0``, else ``reference.accept_sampled`` with a
-        generator seeded by ``(seeds[b], seq_lens[b])``, so a request's output depends only on its own seed
-        and position (reproducible, independent of batch composition)."""
+        """T > 0 walk: every node's token is drawn from ``softmax(logits / T)`` (``reference.sample_node_tokens``)
+        with the uniform ``position_uniform(seed, P + depth + 1)`` of the position it generates, then the
+        ``reference`` walk. Rows with ``temperatures[b] <= 0`` are greedy.
+
+        Keying the uniform by (seed, absolute position) instead of by node number makes the output equal to
+        autoregressive inverse-CDF sampling with the same uniforms: independent of the tree's shape (of the
+        drafter, the budget, fp ties in the draft ranking) and of the batch, so a seeded request is
+        reproducible; each emitted token is still an exact sample of the target's conditional.
+        """
         tb = _tree_batch(trees)
         logits_np = _np(logits.float())
         temps = _np(temperatures.float()).reshape(-1)
@@ -139,24 +163,24 @@ class ReferenceBackend:
                                       tb.num_nodes[b : b + 1])
             if temps[b] <= 0:
                 parts.append(reference.accept_greedy(one, logits_np[b : b + 1], max_depth))
-            else:
-                rng = np.random.default_rng([int(seeds_np[b]) & 0xFFFFFFFFFFFF, int(lens[b])])
-                parts.append(reference.accept_sampled(one, logits_np[b : b + 1], float(temps[b]), rng, max_depth))
+                continue
+            uniforms = np.array([[position_uniform(seeds_np[b], lens[b] + d + 1) for d in tb.depths[b]]])
+            node_tokens = reference.sample_node_tokens(logits_np[b : b + 1], float(temps[b]), _Uniforms(uniforms))
+            parts.append(reference.accept_greedy(one, node_tokens, max_depth))
         return TorchAccept(*(self._t(np.concatenate([getattr(p, f) for p in parts]))
                              for f in ("accepted", "accept_lens", "bonus", "committed")))
 
     def sample_tokens(self, logits, temperatures, seeds, seq_lens) -> torch.Tensor:
-        """One token per row from ``softmax(logits / T)`` with the generator of ``accept_sampled``
-        (seeded by ``(seed, seq_len, 1)``: the extra word keeps these draws independent of the round that
-        starts at the same length): ``[bs, V]`` -> ``[bs]`` int64."""
+        """One token per row from ``softmax(logits / T)`` with the uniform of the position it generates,
+        ``position_uniform(seed, seq_len)`` (the same key ``accept_sampled`` uses): ``[bs, V]`` -> ``[bs]``."""
         logits_np = _np(logits.float())
         temps = _np(temperatures.float()).reshape(-1)
         seeds_np = _np(seeds).reshape(-1).astype(np.int64)
         lens = _np(seq_lens).reshape(-1).astype(np.int64)
         out = np.empty(len(temps), dtype=np.int64)
         for b in range(len(temps)):
-            rng = np.random.default_rng([int(seeds_np[b]) & 0xFFFFFFFFFFFF, int(lens[b]), 1])
-            out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), rng)[0, 0]
+            u = np.array([[position_uniform(seeds_np[b], lens[b])]])
+            out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), _Uniforms(u))[0, 0]
         return self._t(out)
 
     def commit_plan(self, accepted, accept_lens, verify_slots) -> TorchCommitPlan:

@@ -77,3 +77,33 @@ def test_sample_tokens_is_reproducible_and_follows_temperature():
     hot = backend.sample_tokens(logits, torch.full((64,), 50.0), seeds, lens)
     assert torch.equal(hot, backend.sample_tokens(logits, torch.full((64,), 50.0), seeds, lens))
     assert len(set(hot.tolist())) > 1
+
+
+def test_sampled_tokens_do_not_depend_on_the_tree():
+    """With uniforms keyed by absolute position, what a T > 0 round commits is autoregressive sampling of
+    the target: two different trees (budgets) over the same Markov target agree on their common prefix."""
+    rng = np.random.default_rng(5)
+    vocab, depths = 6, 5
+    markov = rng.normal(size=(vocab, vocab)).astype(np.float32)  # target logits depend on the last token
+    draft_logits = rng.normal(size=(1, depths, vocab)).astype(np.float32)
+    backend = ReferenceBackend("cpu")
+    lp, ids = backend.topk(torch.from_numpy(draft_logits), vocab)
+    commits = []
+    for budget in (3, 12):
+        trees = backend.build(lp, ids, budget, torch.tensor([2]))
+        node_logits = torch.from_numpy(markov[trees.tokens.numpy()[0]])[None]
+        acc = backend.accept_sampled(trees, node_logits, torch.tensor([1.0]), torch.tensor([7]),
+                                     torch.tensor([10]), depths)
+        commits.append(acc.committed.numpy()[0][: int(acc.accept_lens[0])].tolist())
+    common = min(len(c) for c in commits)
+    assert commits[0][:common] == commits[1][:common]
+    # and it is the autoregressive draw: token at position 11 from the root's row with u(7, 11), etc.
+    from sglang_kdtree.pipeline import position_uniform
+
+    token, expected = 2, []
+    for pos in range(11, 11 + common):
+        x = markov[token].astype(np.float64)
+        cdf = np.cumsum(np.exp(x - x.max()))
+        token = min(int(np.searchsorted(cdf, position_uniform(7, pos) * cdf[-1], side="right")), vocab - 1)
+        expected.append(token)
+    assert commits[0][:common] == expected
