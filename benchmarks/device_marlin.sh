@@ -22,6 +22,10 @@ step() { echo "[$(printf '%4d' $SECONDS) s] $*" | tee -a "$OUT/steps.log"; }
 step "install"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+# The device carries SGLang's JIT-kernel wheels but not the sgl_kernel binary, and SGLang's quantization
+# package (home of marlin_moe_permute_scales) imports sgl_kernel names at module level. The tests' import-only
+# stand-in satisfies those imports; its stubs raise if an op is ever called (our path uses JIT kernels only).
+python3 -c "import sgl_kernel" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/tests/e2e/sgl_kernel_stub
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" >> "$OUT/install.log"
 python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit
