@@ -563,7 +563,6 @@ def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=
     import torch
 
     from sglang_kdtree.gpu import runtime
-    from sglang_kdtree.gpu.errors import launch_stream
 
     _require_cuda("topk_ids", topk_ids, (torch.int32, torch.int64))
     if topk_ids.dim() != 2:
@@ -588,7 +587,7 @@ def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=
     fresh_errors = errors is None  # the kernel then writes the whole flag (no zero-fill launch)
     mod = runtime.load_module("moe_align.cu")
     kernel = mod.get_function("moe_align_i32" if ids.dtype == torch.int32 else "moe_align_i64")
-    with launch_stream():
+    with runtime.current_stream():
         kernel((1,), (_ALIGN_THREADS,),
                (_ptr(ids), np.int32(numel), np.int32(num_experts), np.int32(block_size),
                 _ptr(align.sorted_token_ids), _ptr(align.expert_ids), _ptr(align.num_tokens_post_padded),
@@ -617,10 +616,9 @@ def silu_and_mul(gate_up, out=None):
     if rows == 0:
         return out
     from sglang_kdtree.gpu import runtime
-    from sglang_kdtree.gpu.errors import launch_stream
 
     kernel = runtime.load_module("silu_and_mul.cu").get_function("silu_and_mul_bf16")
-    with launch_stream():
+    with runtime.current_stream():
         kernel((_grid(rows * n // 8, _ELEMENTWISE_THREADS),), (_ELEMENTWISE_THREADS,),
                (_ptr(gate_up), _ptr(out), np.int64(rows), np.int32(n)))
     return out
@@ -648,11 +646,10 @@ def moe_topk_sum(routed, topk_ids, num_experts: int, routed_scaling_factor: floa
     if M == 0:
         return out
     from sglang_kdtree.gpu import runtime
-    from sglang_kdtree.gpu.errors import launch_stream
 
     name = "moe_topk_sum_bf16_i32" if ids.dtype == torch.int32 else "moe_topk_sum_bf16_i64"
     kernel = runtime.load_module("moe_topk_sum.cu").get_function(name)
-    with launch_stream():
+    with runtime.current_stream():
         kernel((_grid(M * K // 8, _ELEMENTWISE_THREADS),), (_ELEMENTWISE_THREADS,),
                (_ptr(routed), _ptr(ids), _ptr(out), np.int64(M), np.int32(top_k), np.int32(K),
                 np.int32(num_experts), np.float32(routed_scaling_factor)))

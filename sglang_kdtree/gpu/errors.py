@@ -10,12 +10,11 @@ where a sync is acceptable (tests, debugging, a periodic health check), never on
 
 from __future__ import annotations
 
-__all__ = ["DEVICE_ERRORS", "new_error_flag", "error_bits", "describe_device_error", "raise_on_device_error",
-           "launch_stream"]
+__all__ = ["DEVICE_ERRORS", "new_error_flag", "error_bits", "describe_device_error", "raise_on_device_error"]
 
-from sglang_kdtree.gpu import runtime
 
-#: bit -> meaning; the bits are defined in kernels/tree_accept.cu, kv_compact.cu and gather_hidden.cu.
+#: bit -> meaning; the bits are defined in kernels/tree_accept.cu, kv_compact.cu, gather_hidden.cu and moe_align.cu.
+#: (The tree-construction kernels keep their own table, ``gpu.topk.TOPK_ERRORS``, in a separate flag.)
 DEVICE_ERRORS = {
     1: "num_nodes outside [0, N-1] (clamped)",
     2: "a live node's parent is outside [0, i) (node unlinked: it can never be accepted)",
@@ -26,6 +25,7 @@ DEVICE_ERRORS = {
     "(that request's plan rows are -1)",
     128: "a KV source or destination slot is outside [0, num_slots) (that request was not moved)",
     256: "a hidden-state row index is outside [0, rows) (that output row is zeros)",
+    512: "a routed expert id is outside [0, num_experts) (that route is dropped; kernels/moe_align.cu)",
 }
 
 
@@ -41,11 +41,6 @@ def error_bits(errors) -> int:
     for v in errors.reshape(-1).tolist():
         out |= int(v)
     return out
-
-
-def launch_stream():
-    """torch's current CUDA stream as a cached CuPy stream (``runtime.current_stream``)."""
-    return runtime.current_stream()
 
 
 def describe_device_error(bits: int) -> list[str]:
