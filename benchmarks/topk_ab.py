@@ -1,9 +1,10 @@
-"""Top-K + lse kernel timings on peaked bf16 draft logits [bs, 15, 163840]: the current kernel (as shipped,
-and with other NVRTC variants) against an older launcher module when one is importable, all from the same
+"""Top-K + lse kernel timings on peaked bf16 draft logits [bs, 15, 163840]: each top-K pipeline of
+``sglang_kdtree.gpu.topk`` (``--impls``: "histogram", "cut"; with other NVRTC variants) and an older launcher
+module when one is importable, all from the same
 run, as replayed CUDA graphs of one ``topk_logprobs`` call (the real GPU time, no Python launch overhead)
 and eagerly. Prints one row per (batch, budget) plus the HBM floor (logits bytes / measured copy bandwidth).
 
-    python benchmarks/topk_ab.py [--old sglang_kdtree.gpu.topk_old] [--variant -DCHUNK_MIN_BLOCKS=2]
+    python benchmarks/topk_ab.py [--impls histogram cut] [--old sglang_kdtree.gpu.topk_old] [--variant ...]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512])
+    p.add_argument("--impls", nargs="+", default=["histogram", "cut"], help="topk.IMPL pipelines to time")
     p.add_argument("--old", default=None, help="module path of an older topk launcher to compare")
     p.add_argument("--variant", action="append", default=[], help="extra NVRTC option set for the new kernel")
     p.add_argument("--json", default=None)
@@ -61,17 +63,19 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     depth, vocab = 15, 163840
     rows_out = []
-    impls = [("new", new, ())] + [(f"new{v}", new, (v,)) for v in a.variant] + ([("old", old, ())] if old else [])
+    impls = ([(i, new, (), i) for i in a.impls] + [(f"{a.impls[0]}{v}", new, (v,), a.impls[0]) for v in a.variant]
+             + ([("old", old, (), None)] if old else []))
     for bs in a.batches:
         logits = peaked_logits(bs, depth, vocab, seed=bs)
         floor = logits.numel() * 2 / bw * 1e6
         for budget in a.budgets:
             row = {"batch": bs, "budget": budget, "floor_us": floor}
             ref_ids = None
-            for name, mod, opts in impls:
+            for name, mod, opts, impl in impls:
                 if mod is new:
                     new._OPTIONS = opts
-                ws = mod.TopKWorkspace(bs * depth, vocab, budget, "cuda")
+                ws = (mod.TopKWorkspace(bs * depth, vocab, budget, "cuda", impl=impl) if impl
+                      else mod.TopKWorkspace(bs * depth, vocab, budget, "cuda"))
                 out = (torch.empty(bs * depth * budget, device="cuda"),
                        torch.empty(bs * depth * budget, dtype=torch.int64, device="cuda"))
                 flag = mod.new_error_flag("cuda")
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         del logits
         torch.cuda.empty_cache()
-    names = [n for n, _, _ in impls]
+    names = [n for n, _, _, _ in impls]
     head = f"{'bs':>3} {'B':>4} {'floor':>6} | " + " | ".join(f"{n + ' graph':>16} {'%fl':>4} {'eager':>7}" for n in names)
     print(head)
     for r in rows_out:

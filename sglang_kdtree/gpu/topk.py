@@ -7,11 +7,17 @@ wording). Value errors that need the data (NaN / +inf logits, a row entirely -in
 ``error_flag`` tensor (``TOPK_ERRORS``) that the caller reads at its next natural sync
 (``raise_on_flag``); ``check=True`` syncs and raises at once (tests, debugging).
 
+Two exact pipelines (``IMPL``): "histogram" (``kernels/topk_histogram.cu``: a streaming 12-bit key
+histogram per row, the boundary bin, a collect pass and a per-row select) and "cut" (``kernels/
+topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
+
 Workspaces come from a ``TopKWorkspace`` sized for the largest rows / K / vocabulary, so a call allocates
 nothing when one is passed (CUDA-graph capture).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -33,8 +39,16 @@ CHUNK_THREADS = 512
 MERGE_THREADS = 1024
 MAX_K = 1024
 MAX_SHARD_CANDIDATES = 8192  # S * Ks sorted in shared memory by topk_merge_shards (64 KiB)
-_KERNEL = "topk_logsumexp.cu"
+_KERNEL = "topk_logsumexp.cu"  # the cut-based kernel (run 3) and the TP shard merge
+_HIST_KERNEL = "topk_histogram.cu"  # streaming-histogram top-K (run 4)
 _OPTIONS: tuple[str, ...] = ()  # extra NVRTC options (benchmarks compare -DCHUNK_MIN_BLOCKS variants)
+#: which top-K pipeline topk_logprobs / shard_topk_partials run: "histogram" (topk_histogram.cu) or "cut"
+#: (topk_logsumexp.cu's chunk + merge kernels). A workspace is built for one of them.
+#: SGLANG_KDTREE_TOPK_IMPL overrides the default (A/B benchmarks of whole rounds).
+IMPL = os.environ.get("SGLANG_KDTREE_TOPK_IMPL", "histogram")
+HIST_THREADS = 256  # threads of hist_pass / hist_bound / hist_collect / hist_select
+HIST_BINS = 4096  # 12-bit key histogram per row
+HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more -> whole-row exact select
 
 #: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs)
 TOPK_ERRORS = {
@@ -118,12 +132,23 @@ class TopKWorkspace:
     graph capture); one workspace serves one stream at a time.
     """
 
-    def __init__(self, max_rows: int, vocab: int, max_k: int, device):
+    def __init__(self, max_rows: int, vocab: int, max_k: int, device, impl: str | None = None):
         import torch
 
+        self.impl = IMPL if impl is None else impl
+        if self.impl not in ("histogram", "cut"):
+            raise ValueError(f"impl must be 'histogram' or 'cut', got {self.impl!r}")
         self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_K)
         self.chunks = -(-self.vocab // CHUNK_COLS)
-        self.row_cap = self.chunks * candidate_allowance(self.max_k)
+        if self.impl == "histogram":
+            # per row: a 12-bit key histogram (zero between calls: hist_bound clears it after reading), the
+            # boundary bin, each 32-column group's largest bin, and HIST_CAP candidate composites
+            self.row_cap = HIST_CAP
+            self.hist = torch.zeros(self.max_rows * HIST_BINS, dtype=torch.int32, device=device)
+            self.row_sel = torch.empty(self.max_rows, dtype=torch.int32, device=device)
+            self.group_bin = torch.empty(self.max_rows * self.chunks * HIST_THREADS, dtype=torch.int16, device=device)
+        else:
+            self.row_cap = self.chunks * candidate_allowance(self.max_k)
         self.cands = torch.empty(self.max_rows * self.row_cap, dtype=torch.int64, device=device)
         self.row_count = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
         self.row_thresh = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
@@ -186,8 +211,12 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
     chunks = -(-v // CHUNK_COLS)
     if rows * chunks >= 2**31:
         raise ValueError(f"rows {rows} x chunks {chunks} exceeds the 1-D grid; split the batch")
-    allow = candidate_allowance(k)
     row_stride = flat.stride(0) if rows > 1 else v
+    if workspace.impl == "histogram":
+        _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, workspace, out_vals, out_ids, out_lse,
+                       error_flag)
+        return out_vals, out_ids, out_lse, error_flag
+    allow = candidate_allowance(k)
     mod = runtime.load_module(_KERNEL, _OPTIONS)
     ws = workspace
     with runtime.current_stream():
@@ -207,6 +236,43 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
                 (rows,), (MERGE_THREADS,), common + (_ptr(out_lse), np.int64(id_offset), _ptr(error_flag))
             )
     return out_vals, out_ids, out_lse, error_flag
+
+
+def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, out_vals, out_ids, out_lse,
+                   error_flag):
+    """hist_pass -> hist_bound -> hist_collect -> hist_select (see kernels/topk_histogram.cu)."""
+    import torch
+
+    mod = runtime.load_module(_HIST_KERNEL, _OPTIONS)
+    bf16 = flat.dtype == torch.bfloat16
+    vec = 8 if bf16 else 4
+    aligned = flat.data_ptr() % 16 == 0 and v % vec == 0 and (rows == 1 or row_stride % vec == 0)
+    suffix = ("bf16_v" if bf16 else "f32_v") + (str(vec) if aligned else "1")
+    grid = (rows * chunks,)
+    with runtime.current_stream():
+        mod.get_function("hist_pass_" + suffix)(
+            grid, (HIST_THREADS,),
+            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(chunks), _ptr(ws.hist), _ptr(ws.group_bin),
+             _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(error_flag)),
+        )
+        mod.get_function("hist_bound")(
+            (rows,), (HIST_THREADS,), (_ptr(ws.hist), np.int32(v), np.int32(k), np.int32(ws.row_cap), _ptr(ws.row_sel))
+        )
+        mod.get_function("hist_collect_" + suffix)(
+            grid, (HIST_THREADS,),
+            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(chunks), _ptr(ws.group_bin), _ptr(ws.row_sel),
+             np.int64(ws.row_cap), _ptr(ws.cands), _ptr(ws.row_count)),
+        )
+        args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.row_sel),
+                _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.row_count), _ptr(ws.chunk_max), _ptr(ws.chunk_sum),
+                _ptr(out_vals), _ptr(out_ids))
+        dt = "bf16" if bf16 else "f32"
+        if mode == 0:
+            mod.get_function("hist_select_logprobs_" + dt)((rows,), (HIST_THREADS,), args + (_ptr(error_flag),))
+        else:
+            mod.get_function("hist_select_partials_" + dt)(
+                (rows,), (HIST_THREADS,), args + (_ptr(out_lse), np.int64(id_offset), _ptr(error_flag))
+            )
 
 
 def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out=None, error_flag=None,

@@ -98,8 +98,9 @@ def test_tp_shards_merge_to_unsharded(shards):
     _check_topk(x, k, lp, ids)
 
 
+@pytest.mark.parametrize("impl", ["histogram", "cut"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_topk_peaked_many_rows_published_thresholds(dtype):
+def test_topk_peaked_many_rows_published_thresholds(dtype, impl):
     """Many rows of Zipf-like logits: later chunks of a row cut at thresholds published by earlier chunks,
     and the cut must never drop a winner (ids exact for every K)."""
     from sglang_kdtree.bench_gpu import peaked_logits
@@ -108,14 +109,15 @@ def test_topk_peaked_many_rows_published_thresholds(dtype):
     x = peaked_logits(4, 15, 163840, seed=11)
     if dtype == "fp32":
         x = x.float() + 1e-3 * torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
-    ws = topk.TopKWorkspace(60, 163840, 1024, "cuda")
+    ws = topk.TopKWorkspace(60, 163840, 1024, "cuda", impl=impl)
     xn = x.float().cpu().numpy()
     for k in (1, 16, 64, 256, 513, 1024):
         lp, ids = topk.topk_logprobs(x, k, workspace=ws, check=True)
         _check_topk(xn, k, lp, ids)
 
 
-def test_topk_adversarial_chunk_layouts():
+@pytest.mark.parametrize("impl", ["histogram", "cut"])
+def test_topk_adversarial_chunk_layouts(impl):
     """Rows whose winners sit in the last chunk (rising), in the first chunk (falling: later chunks keep
     nothing), all equal (every chunk falls back to the exact select), and equal values straddling chunk
     borders; one workspace reused across K (the per-row counters and thresholds must reset)."""
@@ -135,7 +137,7 @@ def test_topk_adversarial_chunk_layouts():
     rows.append(blocks)
     x = np.stack(rows)
     x[4, 5::7] = -np.inf
-    ws = topk.TopKWorkspace(len(rows), v, 1024, "cuda")
+    ws = topk.TopKWorkspace(len(rows), v, 1024, "cuda", impl=impl)
     for dt in (torch.float32, torch.bfloat16):
         t = torch.from_numpy(x).cuda().to(dt)
         xn = t.float().cpu().numpy()
@@ -144,6 +146,42 @@ def test_topk_adversarial_chunk_layouts():
             _check_topk(xn, k, lp, ids)
     # the counters are back at zero after every call
     assert int(ws.row_count.abs().sum()) == 0 and int(ws.row_thresh.abs().sum()) == 0
+    if impl == "histogram":
+        assert int(ws.hist.abs().sum()) == 0  # hist_bound leaves the histograms clean for the next call
+
+
+def test_topk_histogram_boundary_bin_capacity():
+    """The histogram pipeline's two routes on one workspace: rows whose candidates (bin >= boundary bin) fit
+    HIST_CAP and rows that overflow it (a value repeated around the K-th place) and take the whole-row
+    select; both exact, also as TP shard partials, and equal to the cut pipeline."""
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(21)
+    v = 163840
+    x = rng.normal(0, 2, size=(6, v)).astype(np.float32)
+    x[1, rng.permutation(v)[: topk.HIST_CAP - 40]] = 6.0          # near the cap
+    x[2, rng.permutation(v)[: topk.HIST_CAP + 1]] = 6.0           # one over: whole-row select
+    x[3, :] = np.float32(-np.inf)
+    x[3, rng.permutation(v)[:10]] = rng.normal(0, 1, size=10)     # fewer finite entries than K
+    x[4, rng.permutation(v)[: 3 * v // 4]] = -0.0                  # -0.0 == 0.0 ties, boundary at 0
+    x[4, rng.permutation(v)[:50]] = 0.0
+    x[5] = np.round(x[5] * 4) / 4                                   # coarse fp32 grid: big boundary bins
+    ws = topk.TopKWorkspace(6, v, 1024, "cuda", impl="histogram")
+    ws_cut = topk.TopKWorkspace(6, v, 1024, "cuda", impl="cut")
+    ws.cands.fill_(-1)
+    for dt in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).cuda().to(dt)
+        xn = t.float().cpu().numpy()
+        for k in (64, 1, 1024, 200):
+            lp, ids = topk.topk_logprobs(t, k, workspace=ws, check=True)
+            _check_topk(xn, k, lp, ids)
+            lp2, ids2 = topk.topk_logprobs(t, k, workspace=ws_cut, check=True)
+            assert torch.equal(ids, ids2)
+            vals, sid, lse = topk.shard_topk_partials(t[:, 8192:], k, 8192, workspace=ws, check=True)
+            rv, ri, rl = ref.shard_topk_partials(xn[:, 8192:], k, 8192)
+            np.testing.assert_array_equal(sid.cpu().numpy(), ri)
+            np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+            np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
+    assert int(ws.row_count.abs().sum()) == 0 and int(ws.hist.abs().sum()) == 0
 
 
 def test_topk_poisoned_outputs_and_reused_builder_buffers():

@@ -1,0 +1,460 @@
+// Per-row top-K + logsumexp over a drafter's vocabulary, exact (ties: lower token id first), by streaming
+// histograms instead of per-chunk selection.
+//
+// Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Four
+// launches, all on fixed preallocated workspaces (graph-capturable):
+//
+//   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per element the
+//               order-preserving key; a block histogram of the key's top 12 bits in shared memory (two
+//               lane-interleaved copies, so lanes of a warp that hit the same hot bin collide half as often),
+//               flushed to the row's global histogram with one atomic per nonzero bin; the chunk's
+//               (max, sum exp(x - max)) for the logsumexp; and per thread the largest bin among its 32
+//               columns (`group_bin`), so the collect pass can skip groups with nothing to give.
+//   hist_bound  grid (R), 256 threads. Scans the row's histogram from the top to the boundary bin b* where
+//               the count reaches K (every winner has bin >= b*), and zeroes the histogram for the next call.
+//               If the candidates (bin >= b*) exceed the row's candidate capacity (heavy ties), the row is
+//               marked for the exact whole-row select in hist_select instead.
+//   hist_collect grid (R * C), 256 threads. Re-reads only the 32-column groups whose largest bin is >= b*
+//               (at bs 8 the logits still sit in L2) and appends every column with bin >= b* to the row's
+//               candidate buffer as a (key << 32 | ~id) composite, one atomic per warp.
+//   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64), an exact radix select of
+//               the K largest composites (a strict total order that carries the tie rule, so candidate order
+//               does not matter), a bitonic sort of the winners, the outputs, and the row counter reset.
+//               Rows marked in hist_bound run the same select with the row itself as the source.
+//
+// Errors go to the int32 flag with the bits of topk_logsumexp.cu (NaN 1, +inf 2, dead row 4).
+
+#include "topk_logsumexp.cu"
+
+#define H_THREADS 256
+#define H_ELEMS 32                         // columns per thread
+#define H_COLS (H_THREADS * H_ELEMS)       // 8192 columns per block
+#define H_BITS 12                          // histogram bins: the key's top 12 bits
+#define H_BINS (1 << H_BITS)
+#define H_SHIFT (32 - H_BITS)
+#define H_COPIES 2
+#define H_PAD (H_BINS + 1)                 // copy stride: the same bin of two copies sits in different banks
+#define S_THREADS 256
+#define S_CACHE 2048                       // candidates staged in shared memory when they fit (16 KiB)
+
+template <typename T> struct HistCfg;
+template <> struct HistCfg<unsigned short> { static constexpr int min_blocks = 6; };
+template <> struct HistCfg<float> { static constexpr int min_blocks = 4; };
+
+// Thread tid's columns in a chunk: ((j * H_THREADS + tid) * VEC + v), j < H_ELEMS / VEC: coalesced loads.
+// The raw values stay packed in 32-bit words (bf16: two per word, element e in word e / 2, low half first,
+// as a 16-byte load lays them out) so a thread's 32 columns cost 16 registers in bf16.
+template <typename T> struct Packed {
+  static constexpr int words = H_ELEMS * (int)sizeof(T) / 4;
+};
+
+__device__ __forceinline__ float elem_float(const u32* w, int e, unsigned short) {
+  const u32 x = w[e >> 1];
+  return __uint_as_float((e & 1) ? (x & 0xffff0000u) : (x << 16));
+}
+__device__ __forceinline__ float elem_float(const u32* w, int e, float) { return __uint_as_float(w[e]); }
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words]) {
+  constexpr int NV = H_ELEMS / VEC;
+  constexpr int WPV = VEC * (int)sizeof(T) / 4;  // words per vector load (VEC > 1)
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int col0 = (j * H_THREADS + (int)threadIdx.x) * VEC;
+    if (VEC > 1 && col0 + VEC <= n) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + col0));  // launcher guarantees alignment
+      w[j * WPV] = q.x;
+      w[j * WPV + 1] = q.y;
+      w[j * WPV + 2] = q.z;
+      w[j * WPV + 3] = q.w;
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const int e = j * VEC + v;
+        if constexpr (sizeof(T) == 4) {
+          w[e] = col0 + v < n ? __float_as_uint(((const float*)row)[col0 + v]) : 0u;
+        } else {
+          const u32 h = col0 + v < n ? (u32)((const unsigned short*)row)[col0 + v] : 0u;
+          if (e & 1) w[e >> 1] |= h << 16;
+          else w[e >> 1] = h;
+        }
+      }
+    }
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ int group_col(int e) {
+  return ((e / VEC) * H_THREADS + (int)threadIdx.x) * VEC + (e % VEC);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pass 1: histogram + logsumexp partial + per-group max bin
+// ---------------------------------------------------------------------------------------------------
+
+template <typename T, int VEC>
+__device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int C,
+                                          u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
+                                          float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
+                                          int* __restrict__ err) {
+  __shared__ u32 hist[H_COPIES * H_PAD];
+  __shared__ float fscratch[H_THREADS / 32];
+  __shared__ double dscratch[H_THREADS / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = blockIdx.x / C, c = blockIdx.x % C;
+  const int start = c * H_COLS;
+  const int n = min(H_COLS, V - start);
+  const T* row = logits + (long long)r * row_stride + start;
+
+  u32 raw[Packed<T>::words];
+  load_group<T, VEC>(row, n, raw);  // issued before the zeroing so the loads are in flight meanwhile
+  for (int b = tid; b < H_COPIES * H_PAD; b += H_THREADS) hist[b] = 0u;
+  __syncthreads();
+
+  u32* my = hist + (lane & (H_COPIES - 1)) * H_PAD;
+  float m = -INFINITY;
+  u32 gmax = 0;
+  int bad = 0;
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e) {
+    if (group_col<VEC>(e) < n) {
+      const float f = elem_float(raw, e, T());
+      const u32 key = float_key(f);
+      if (f != f) bad |= ERR_NAN;
+      else if (f == INFINITY) bad |= ERR_POSINF;
+      m = fmaxf(m, f);
+      gmax = max(gmax, key >> H_SHIFT);
+      atomicAdd(my + (key >> H_SHIFT), 1u);
+    }
+  }
+  if (bad) atomicOr(err, bad);
+  group_bin[(long long)blockIdx.x * H_THREADS + tid] = (unsigned short)gmax;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) fscratch[warp] = m;
+  __syncthreads();  // also orders the histogram atomics before the flush
+  float M = fscratch[0];
+#pragma unroll
+  for (int w = 1; w < H_THREADS / 32; ++w) M = fmaxf(M, fscratch[w]);
+
+  // flush the nonzero bins to the row's histogram
+  u32* gh = ghist + (long long)r * H_BINS;
+  for (int b = tid; b < H_BINS; b += H_THREADS) {
+    u32 v = 0;
+#pragma unroll
+    for (int cp = 0; cp < H_COPIES; ++cp) v += hist[cp * H_PAD + b];
+    if (v) atomicAdd(gh + b, v);
+  }
+
+  // logsumexp partial: exp(x - M) in fp32 (x - M correctly rounded), groups of 4 summed in fp32 (<= 2 ulp),
+  // groups summed in float64
+  double s = 0.0;
+  if (M != -INFINITY) {
+#pragma unroll
+    for (int g = 0; g < H_ELEMS; g += 4) {
+      float q = 0.f;
+#pragma unroll
+      for (int e = g; e < g + 4; ++e)
+        if (group_col<VEC>(e) < n) q = __fadd_rn(q, expf(__fsub_rn(elem_float(raw, e, T()), M)));
+      s = __dadd_rn(s, (double)q);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+  if (lane == 0) dscratch[warp] = s;
+  __syncthreads();
+  if (tid == 0) {
+    double t = 0.0;
+#pragma unroll
+    for (int w = 0; w < H_THREADS / 32; ++w) t = __dadd_rn(t, dscratch[w]);
+    chunk_max[blockIdx.x] = M;
+    chunk_sum[blockIdx.x] = t;
+  }
+}
+
+#define HIST_ARGS                                                                                      \
+  long long row_stride, int V, int C, u32 *ghist, unsigned short *group_bin, float *chunk_max, double *chunk_sum, \
+      int *err
+#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, err
+
+extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 8>(logits, HIST_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v1(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 1>(logits, HIST_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v4(const float* logits, HIST_ARGS) {
+  hist_pass<float, 4>(logits, HIST_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v1(const float* logits, HIST_ARGS) {
+  hist_pass<float, 1>(logits, HIST_PASS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pass B: boundary bin per row
+// ---------------------------------------------------------------------------------------------------
+
+// row_sel[r] = b* when the row's candidates (bins >= b*) fit `cap`, else -1 (whole-row select).
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_bound(u32* ghist, int V, int K, int cap, int* row_sel) {
+  __shared__ u32 scratch[32];
+  __shared__ u32 sel[3];
+  constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
+  const int tid = threadIdx.x, r = blockIdx.x;
+  const u32 want = (u32)min(K, V);
+  // thread 0 owns the top bins: bins base .. base + PER - 1 with base = (H_THREADS - 1 - tid) * PER
+  const int base = (H_THREADS - 1 - tid) * PER;
+  uint4* gh = reinterpret_cast<uint4*>(ghist + (long long)r * H_BINS + base);
+  u32 h[PER];
+#pragma unroll
+  for (int q = 0; q < PER / 4; ++q) {
+    const uint4 w = gh[q];
+    h[4 * q] = w.x; h[4 * q + 1] = w.y; h[4 * q + 2] = w.z; h[4 * q + 3] = w.w;
+  }
+#pragma unroll
+  for (int q = 0; q < PER / 4; ++q) gh[q] = make_uint4(0u, 0u, 0u, 0u);  // clean for the next call
+  u32 s = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) s += h[i];
+  if (tid == 0) sel[0] = 0xffffffffu;
+  u32 total;
+  const u32 before = block_exclusive_scan<H_THREADS>(s, scratch, &total);
+  if (before < want && want <= before + s) {
+    u32 acc = before;
+#pragma unroll
+    for (int i = PER - 1; i >= 0; --i) {
+      if (acc < want && acc + h[i] >= want) {
+        sel[0] = (u32)(base + i);
+        sel[1] = acc;
+        sel[2] = h[i];
+      }
+      acc += h[i];
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const u32 b = sel[0];
+    row_sel[r] = (b != 0xffffffffu && (unsigned long long)sel[1] + sel[2] <= (unsigned long long)cap) ? (int)b : -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pass C: collect the candidates (bin >= b*)
+// ---------------------------------------------------------------------------------------------------
+
+template <typename T, int VEC>
+__device__ __forceinline__ void hist_collect(const T* __restrict__ logits, long long row_stride, int V, int C,
+                                             const unsigned short* __restrict__ group_bin,
+                                             const int* __restrict__ row_sel, long long cap, u64* __restrict__ cands,
+                                             int* __restrict__ row_count) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int r = blockIdx.x / C, c = blockIdx.x % C;
+  const int bsel = row_sel[r];
+  if (bsel < 0) return;  // whole block: the row is selected from the logits in hist_select
+  const bool live = (int)group_bin[(long long)blockIdx.x * H_THREADS + tid] >= bsel;
+  if (!__any_sync(0xffffffffu, live)) return;  // warp-uniform
+  const int start = c * H_COLS;
+  const int n = min(H_COLS, V - start);
+  const T* row = logits + (long long)r * row_stride + start;
+  const u32 cut = (u32)bsel << H_SHIFT;
+
+  u32 raw[Packed<T>::words];
+  u32 cnt = 0;
+  if (live) {
+    load_group<T, VEC>(row, n, raw);
+#pragma unroll
+    for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e) < n && float_key(elem_float(raw, e, T())) >= cut;
+  }
+  u32 incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const u32 wtotal = __shfl_sync(0xffffffffu, incl, 31);
+  if (wtotal == 0) return;
+  u32 wbase = 0;
+  if (lane == 31) wbase = (u32)atomicAdd(row_count + r, (int)wtotal);
+  wbase = __shfl_sync(0xffffffffu, wbase, 31);
+  if (cnt == 0) return;
+  u32 pos = wbase + incl - cnt;
+  u64* out = cands + (long long)r * cap;
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e) {
+    const int col = group_col<VEC>(e);
+    const u32 key = float_key(elem_float(raw, e, T()));
+    if (col < n && key >= cut) {
+      if ((long long)pos < cap) out[pos] = composite(key, (u32)(start + col));  // never out of range
+      ++pos;
+    }
+  }
+}
+
+#define COLLECT_ARGS                                                                                       \
+  long long row_stride, int V, int C, const unsigned short *group_bin, const int *row_sel, long long cap, \
+      u64 *cands, int *row_count
+#define COLLECT_PASS row_stride, V, C, group_bin, row_sel, cap, cands, row_count
+
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_bf16_v8(const unsigned short* logits, COLLECT_ARGS) {
+  hist_collect<unsigned short, 8>(logits, COLLECT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_bf16_v1(const unsigned short* logits, COLLECT_ARGS) {
+  hist_collect<unsigned short, 1>(logits, COLLECT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_f32_v4(const float* logits, COLLECT_ARGS) {
+  hist_collect<float, 4>(logits, COLLECT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_f32_v1(const float* logits, COLLECT_ARGS) {
+  hist_collect<float, 1>(logits, COLLECT_PASS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pass D: exact select + sort + outputs per row
+// ---------------------------------------------------------------------------------------------------
+
+struct CandSource {
+  const u64* p;
+  __device__ __forceinline__ u64 get(int t) const { return p[t]; }
+};
+template <typename T>
+struct RowSource {
+  const T* p;
+  __device__ __forceinline__ u64 get(int t) const { return composite(float_key(to_float(p[t])), (u32)t); }
+};
+
+// Exact radix select of the `want` largest composites of src[0, items) (unique composites, 11-bit digits
+// from the top, as topk_merge), then a bitonic sort of the winners, descending. `hw` is the histogram during
+// the select and the winners afterwards (8 KiB, both). Returns the number of winners in hw[0, got).
+template <class Src>
+__device__ __forceinline__ int select_sorted(const Src& src, int items, u32 want, int kout, u64* hw,
+                                            u32* scratch, u32* sel, u32* n_win) {
+  u32* hist = reinterpret_cast<u32*>(hw);
+  const int tid = threadIdx.x;
+  u64 prefix = 0, pmask = 0;
+  u32 k_rem = want;
+  if (want > 0)
+    for (int p = 0; p < 6; ++p) {
+      const int shift = comp_shift(p), nb = 1 << comp_bits(p);
+      for (int b = tid; b < nb; b += S_THREADS) hist[b] = 0;
+      __syncthreads();
+      for (int t = tid; t < items; t += S_THREADS) {
+        const u64 w = src.get(t);
+        if ((w & pmask) == prefix) atomicAdd(&hist[(u32)(w >> shift) & (nb - 1)], 1u);
+      }
+      __syncthreads();
+      find_bucket<S_THREADS>(hist, nb, k_rem, scratch, sel);
+      const u32 d = sel[0], above = sel[1], cnt = sel[2];
+      k_rem -= above;
+      prefix |= (u64)d << shift;
+      pmask |= (u64)(nb - 1) << shift;
+      if (cnt == k_rem) break;  // the whole bucket is taken
+    }
+  __syncthreads();  // every histogram read is done before hw holds winners
+  if (want > 0)
+    for (int t = tid; t < items; t += S_THREADS) {
+      const u64 w = src.get(t);
+      if (w >= prefix) {
+        const u32 q = atomicAdd(n_win, 1u);
+        if (q < (u32)MAX_K) hw[q] = w;
+      }
+    }
+  __syncthreads();
+  const int got = min((int)*n_win, kout);
+  int P = 1;
+  while (P < kout) P <<= 1;
+  for (int i = got + tid; i < P; i += S_THREADS) hw[i] = 0ull;  // sorts last
+  __syncthreads();
+  bitonic_sort_desc<S_THREADS>(hw, P);
+  return got;
+}
+
+// MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials).
+template <typename T, int MODE>
+__device__ __forceinline__ void hist_select(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
+                                            const int* __restrict__ row_sel, const u64* __restrict__ cands,
+                                            long long cap, int* __restrict__ row_count,
+                                            const float* __restrict__ chunk_max,
+                                            const double* __restrict__ chunk_sum, float* __restrict__ out_vals,
+                                            long long* __restrict__ out_ids, double* __restrict__ out_lse,
+                                            long long id_offset, int* __restrict__ err) {
+  __shared__ u64 hw[MAX_K];  // histogram (2048 u32) during the select, winners (<= 1024 u64) after
+  __shared__ u64 cache[S_CACHE];
+  __shared__ u32 scratch[32];
+  __shared__ u32 sel[3];
+  __shared__ float fscratch[32];
+  __shared__ double dscratch[32];
+  __shared__ u32 n_win;
+
+  const int tid = threadIdx.x, r = blockIdx.x;
+  const int kout = min(K, V);
+  if (tid == 0) n_win = 0;
+
+  float m = -INFINITY;
+  for (int c = tid; c < C; c += S_THREADS) m = fmaxf(m, chunk_max[r * C + c]);
+  const float M = block_max<S_THREADS>(m, fscratch);
+  double s = 0.0;
+  if (M != -INFINITY)
+    for (int c = tid; c < C; c += S_THREADS) {
+      const float mc = chunk_max[r * C + c];
+      if (mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(chunk_sum[r * C + c], exp(__dsub_rn((double)mc, (double)M))));
+    }
+  s = block_sum<S_THREADS>(s, dscratch);
+  const double lse = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
+  if (MODE == 0 && M == -INFINITY && tid == 0) atomicOr(err, ERR_DEAD_ROW);
+
+  const int bsel = row_sel[r];
+  int got;
+  if (bsel >= 0) {
+    const int items = (int)min((long long)row_count[r], cap);
+    const u64* src = cands + (long long)r * cap;
+    if (items <= S_CACHE) {
+      for (int t = tid; t < items; t += S_THREADS) cache[t] = src[t];
+      __syncthreads();
+      src = cache;
+    }
+    got = select_sorted(CandSource{src}, items, (u32)min(kout, items), kout, hw, scratch, sel, &n_win);
+  } else {
+    got = select_sorted(RowSource<T>{logits + (long long)r * row_stride}, V, (u32)kout, kout, hw, scratch, sel,
+                        &n_win);
+  }
+  (void)got;
+  for (int i = tid; i < kout; i += S_THREADS) {
+    const u64 w = hw[i];
+    const float f = key_float((u32)(w >> 32));
+    const long long id = (long long)(0xffffffffu - (u32)w);
+    if (MODE == 0) {
+      out_vals[(long long)r * kout + i] = (float)__dsub_rn((double)f, lse);
+      out_ids[(long long)r * kout + i] = id;
+    } else {
+      out_vals[(long long)r * kout + i] = f;
+      out_ids[(long long)r * kout + i] = id + id_offset;
+    }
+  }
+  if (tid == 0) {
+    if (MODE == 1) out_lse[r] = lse;
+    row_count[r] = 0;  // read by every thread before the select's barriers
+  }
+}
+
+#define SELECT_ARGS                                                                                         \
+  long long row_stride, int V, int K, int C, const int *row_sel, const u64 *cands, long long cap, int *row_count, \
+      const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
+#define SELECT_PASS row_stride, V, K, C, row_sel, cands, cap, row_count, chunk_max, chunk_sum, out_vals, out_ids
+
+extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_bf16(const unsigned short* logits,
+                                                                                 SELECT_ARGS, int* err) {
+  hist_select<unsigned short, 0>(logits, SELECT_PASS, nullptr, 0, err);
+}
+extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_f32(const float* logits, SELECT_ARGS,
+                                                                                int* err) {
+  hist_select<float, 0>(logits, SELECT_PASS, nullptr, 0, err);
+}
+extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_bf16(const unsigned short* logits,
+                                                                                 SELECT_ARGS, double* out_lse,
+                                                                                 long long id_offset, int* err) {
+  hist_select<unsigned short, 1>(logits, SELECT_PASS, out_lse, id_offset, err);
+}
+extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_f32(const float* logits, SELECT_ARGS,
+                                                                                double* out_lse, long long id_offset,
+                                                                                int* err) {
+  hist_select<float, 1>(logits, SELECT_PASS, out_lse, id_offset, err);
+}
