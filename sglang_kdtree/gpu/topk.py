@@ -125,8 +125,9 @@ def candidate_allowance(k: int) -> int:
 
 
 class TopKWorkspace:
-    """Scratch for ``topk_logprobs`` / ``shard_topk_partials``: per-row candidate buffers (u64 composites,
-    ``chunks * candidate_allowance(max_k)`` per row), per-row candidate counts and published thresholds
+    """Scratch for ``topk_logprobs`` / ``shard_topk_partials`` for one pipeline (``impl``, default ``IMPL``):
+    per-row candidate buffers (u64 composites: ``HIST_CAP`` per row for "histogram", ``chunks *
+    candidate_allowance(max_k)`` for "cut"; "histogram" adds per-row key histograms, zeroed between calls), per-row candidate counts and published thresholds
     (zeroed here; each call's merge zeroes them again, so CUDA-graph replays start clean), and logsumexp
     partials, for up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside
     graph capture); one workspace serves one stream at a time.
