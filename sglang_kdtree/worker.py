@@ -157,10 +157,28 @@ class KDTreeWorker(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            result = super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                                                      pp_proxy_tensors=pp_proxy_tensors)
-            if not batch.forward_mode.is_idle():
-                self._reseed_prefill_samples(batch, result)
+            if not self._has_seeded_sampling(batch):
+                return super().forward_batch_generation(batch, on_publish=on_publish,
+                                                        grammar_barrier=grammar_barrier,
+                                                        pp_proxy_tensors=pp_proxy_tensors)
+            # SGLang's sampler scales the logits in place; keep the raw ones for the seeded redraw.
+            runner = self.target_worker.model_runner
+            original_sample = runner.sample
+            kept = {}
+
+            def sample_keeping_logits(logits_output, forward_batch, *args, **kwargs):
+                kept["logits"] = logits_output.next_token_logits.clone()
+                return original_sample(logits_output, forward_batch, *args, **kwargs)
+
+            runner.sample = sample_keeping_logits
+            try:
+                result = super().forward_batch_generation(batch, on_publish=on_publish,
+                                                          grammar_barrier=grammar_barrier,
+                                                          pp_proxy_tensors=pp_proxy_tensors)
+            finally:
+                del runner.sample
+            if "logits" in kept:
+                self._reseed_prefill_samples(batch, result, kept["logits"])
             return result
         if batch.has_grammar:
             raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
@@ -181,14 +199,22 @@ class KDTreeWorker(DFlashWorkerV2):
             seeds.append(int(seed) if seed is not None else int(torch.randint(0, 2**31 - 1, ())))
         return torch.tensor(seeds, dtype=torch.int64, device=self.device), own
 
-    def _reseed_prefill_samples(self, batch, result) -> None:
-        """Outside deterministic-inference mode SGLang samples the prefill's token without the request's
-        seed; for seeded requests at T > 0 draw it again with the same seeded sampler as the tree rounds,
-        so a seeded request is reproducible end to end."""
+    @staticmethod
+    def _has_seeded_sampling(batch) -> bool:
+        """A batch with a seeded T > 0 request whose seed SGLang will not apply (no deterministic mode)."""
         sampling = batch.sampling_info
-        logits = getattr(result.logits_output, "next_token_logits", None)
-        if sampling is None or sampling.is_all_greedy or logits is None:
-            return
+        if batch.forward_mode.is_idle() or sampling is None or sampling.is_all_greedy:
+            return False
+        if sampling.sampling_seed is not None:
+            return False
+        return any(r.sampling_params.sampling_seed is not None and r.sampling_params.temperature > 0
+                   for r in batch.reqs)
+
+    def _reseed_prefill_samples(self, batch, result, logits) -> None:
+        """Outside deterministic-inference mode SGLang samples the prefill's token without the request's
+        seed; for seeded requests at T > 0 draw it again (from the raw logits) with the same seeded sampler
+        as the tree rounds, so a seeded request is reproducible end to end."""
+        sampling = batch.sampling_info
         seeds, own = self._request_seeds(batch)
         temps = sampling.temperatures.view(-1)
         rows = [b for b, mine in enumerate(own) if mine and float(temps[b]) > 0]
@@ -198,6 +224,10 @@ class KDTreeWorker(DFlashWorkerV2):
         drawn = self.backend.sample_tokens(logits[index, : self.vocab_size], temps[index], seeds[index],
                                            batch.seq_lens[index])
         result.next_token_ids[index] = drawn.to(result.next_token_ids.dtype)
+        # the next round's root is the draft input's own (int64) copy of the token: it must be the same one
+        draft_input = result.next_draft_input
+        if draft_input is not None and draft_input.bonus_tokens.data_ptr() != result.next_token_ids.data_ptr():
+            draft_input.bonus_tokens[index] = drawn.to(draft_input.bonus_tokens.dtype)
 
     def _gather_slots(self, batch, prefix_lens, width: int) -> torch.Tensor:
         """``[bs, width]`` KV slots ``req_to_token[req, P : P + width]`` (reserved by prepare_for_decode)."""

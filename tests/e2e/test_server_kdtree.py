@@ -126,16 +126,39 @@ def test_max_new_tokens_cut(plain_server, kdtree_server, max_new_tokens):
     assert b["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_sampling_with_seed_is_reproducible(kdtree_server):
+def _hf_sampled(model_dir, prompt, seed, temperature, new_tokens):
+    """Autoregressive inverse-CDF sampling of the HF model with the worker's per-position uniforms."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_kdtree.pipeline import position_uniform
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            x = model(input_ids=torch.tensor([seq])).logits[0, -1].double().numpy() / temperature
+            cdf = np.cumsum(np.exp(x - x.max()))
+            u = position_uniform(seed, len(seq)) * cdf[-1]
+            seq.append(min(int(np.searchsorted(cdf, u, side="right")), len(x) - 1))
+    return seq[len(prompt):]
+
+
+def test_sampling_with_seed_is_reproducible_and_exact(kdtree_server, tiny_models):
     def sampled(seed):
         payloads = [{"input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 1.5,
-                                                         "sampling_seed": seed}} for p in PROMPTS[:6]]
+                                                         "sampling_seed": seed, "ignore_eos": True}} for p in PROMPTS[:6]]
         return [r["output_ids"] for r in _concurrent(kdtree_server, payloads)]
 
     first, again, other = sampled(1234), sampled(1234), sampled(99)
     assert first == again
     assert first != other
     assert all(0 <= t < tiny.VOCAB_SIZE and len(ids) == 16 for ids in first for t in ids)
+    # Lossless: every emitted token is the target's own T = 1.5 draw at its position (what autoregressive
+    # sampling with the same uniforms gives), whatever the tree accepted.
+    for prompt, ids in list(zip(PROMPTS, first))[:2]:
+        assert ids == _hf_sampled(tiny_models / kdtree_server.model_name, prompt, 1234, 1.5, 16)
 
 
 def _expect_startup_failure(tiny_models, server_logs, extra, message):
