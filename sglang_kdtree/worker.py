@@ -391,9 +391,10 @@ class KDTreeWorker(DFlashWorkerV2):
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("KDTREE verify requires target hidden states, but got None")
-        rows = torch.where(valid, commit.hidden_rows, torch.zeros_like(commit.hidden_rows))
-        accepted_hidden = hidden[rows.reshape(-1)].view(bs, -1, hidden.shape[-1])
-        commit_width = accepted_hidden.shape[1]
+        # tau <= min(L + 1, N): the plan's columns past the verify width are padding
+        commit_width = min(int(commit.hidden_rows.shape[1]), width)
+        rows = torch.where(valid, commit.hidden_rows, torch.zeros_like(commit.hidden_rows))[:, :commit_width]
+        accepted_hidden = hidden[rows.reshape(-1)].view(bs, commit_width, hidden.shape[-1])
         chain_positions = prefix_lens[:, None] + torch.arange(commit_width, device=device)[None, :]
         draft_slots = self._draft_write_ids(plan).view(bs, width)[:, :commit_width]
         self._append_target_hidden_to_draft_kv_by_loc(
