@@ -11,7 +11,17 @@ from __future__ import annotations
 import importlib
 
 #: Patch modules, in registration order.
-PATCH_MODULES: tuple[str, ...] = ("mla_tree_verify", "marlin_moe", "torch_native_verify", "torch_native_mla", "decode_reserve", "cpu_draft_backend", "input_embeds_dtype", "verify_graph_spec_info")
+PATCH_MODULES: tuple[str, ...] = (
+    "mla_tree_verify",
+    "marlin_moe",
+    "torch_native_verify",
+    "torch_native_mla",
+    "decode_reserve",
+    "cpu_draft_backend",
+    "input_embeds_dtype",
+    "verify_graph_spec_info",
+    "request_validation",
+)
 
 
 def register_all() -> None:

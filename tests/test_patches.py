@@ -12,7 +12,7 @@ import pytest
 from sglang_kdtree import patches
 
 ALWAYS_HOOKED = ("torch_native_verify", "decode_reserve", "cpu_draft_backend", "input_embeds_dtype",
-                 "verify_graph_spec_info")
+                 "verify_graph_spec_info", "request_validation")
 MODULES = [importlib.import_module(f"sglang_kdtree.patches.{name}") for name in patches.PATCH_MODULES]
 
 
@@ -180,3 +180,21 @@ def test_graph_spec_info_is_tree_for_kdtree_target_only():
     runner.model_runner = _Obj(spec_algorithm=_Obj(name="DFLASH"), is_draft_worker=False)
     assert patch.get_spec_info(original, runner, 16) == "original"
     assert calls == [16, 16]
+
+
+def test_request_validation_refuses_logprobs_and_grammar_only_under_kdtree(monkeypatch):
+    from sglang_kdtree import worker
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    plain = _Obj(return_logprob=False, sampling_params=_Obj(json_schema=None, regex=None, ebnf=None,
+                                                             structural_tag=None))
+    logprob = _Obj(return_logprob=True, sampling_params=plain.sampling_params)
+    grammar = _Obj(return_logprob=False, sampling_params=_Obj(json_schema="{}", regex=None, ebnf=None,
+                                                              structural_tag=None))
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
+    assert patch.validate_dflash_request(original, logprob, False) == "original"
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    assert patch.validate_dflash_request(original, plain, False) == "original"
+    assert "return_logprob" in patch.validate_dflash_request(original, logprob, False)
+    assert "json_schema" in patch.validate_dflash_request(original, grammar, False)
