@@ -1,0 +1,87 @@
+"""The worker's two backends agree: ``pipeline.GpuBackend`` (the CUDA kernels, as the worker calls them)
+against ``pipeline.ReferenceBackend`` (the numpy oracle) over one whole round on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kdtree import pipeline
+
+pytestmark = pytest.mark.gpu
+
+TREE_FIELDS = ("tokens", "depths", "parents", "num_nodes")
+VERIFY_FIELDS = ("input_ids", "positions", "full_mask", "ancestor_bits", "retrieve_index", "retrieve_next_token",
+                 "retrieve_next_sibling")
+
+
+def target_following_the_tree(trees, vocab, agree, gen):
+    """Target logits [bs, N, V] whose argmax at a node is one of its children's tokens with probability
+    `agree` (any child, not only the first), else a random token."""
+    bs, width = trees.tokens.shape
+    logits = torch.randn((bs, width, vocab), generator=gen)
+    for b in range(bs):
+        n = int(trees.num_nodes[b])
+        children = {}
+        for i in range(1, n + 1):
+            children.setdefault(int(trees.parents[b, i]), []).append(i)
+        for node in range(width):
+            kids = children.get(node)
+            if kids and float(torch.rand((), generator=gen)) < agree:
+                pick = kids[int(torch.randint(len(kids), (), generator=gen))]
+                logits[b, node, int(trees.tokens[b, pick])] += 40.0
+            else:
+                logits[b, node, int(torch.randint(vocab, (), generator=gen))] += 40.0
+    return logits
+
+
+@pytest.mark.parametrize("bs, budget, depths, vocab", [(1, 1, 1, 64), (3, 16, 7, 1000), (8, 64, 15, 5003),
+                                                       (4, 255, 15, 30011)])
+def test_gpu_backend_round_equals_reference_backend(bs, budget, depths, vocab):
+    gen = torch.Generator().manual_seed(bs * 1000 + budget)
+    ref = pipeline.ReferenceBackend(torch.device("cpu"))
+    gpu = pipeline.select_backend(torch.device("cuda"))
+    assert isinstance(gpu, pipeline.GpuBackend)
+    cuda = torch.device("cuda")
+
+    # top-K (tie-heavy logits: multiples of 1/4), directly and through the tensor-parallel path of one rank
+    logits = torch.round(torch.randn((bs, depths, vocab), generator=gen) * 12) / 4
+    k = min(budget, vocab)
+    lp_r, id_r = ref.topk(logits, k)
+    lp_g, id_g = gpu.topk(logits.to(cuda), k)
+    assert torch.equal(id_g.cpu(), id_r)
+    torch.testing.assert_close(lp_g.cpu(), lp_r, rtol=0, atol=2e-6)
+    lp_tp, id_tp = pipeline.vocab_parallel_topk(logits.to(cuda).view(-1, vocab), k, 0, gpu)
+    assert torch.equal(id_tp.cpu().view(bs, depths, -1), id_r)
+
+    # the tree, from the same log-probs, must match bit for bit
+    roots = torch.randint(0, vocab, (bs,), generator=gen)
+    tr = ref.build(lp_r, id_r, budget, roots)
+    tg = gpu.build(lp_r.to(cuda), id_r.to(cuda), budget, roots.to(cuda))
+    for field in TREE_FIELDS:
+        assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), field
+
+    seq_lens = torch.randint(0, 300, (bs,), generator=gen)
+    vr = ref.verify_inputs(tr, seq_lens, int(seq_lens.sum()))
+    vg = gpu.verify_inputs(tg, seq_lens.to(cuda), seq_lens_sum=int(seq_lens.sum()))
+    for field in VERIFY_FIELDS:
+        assert torch.equal(getattr(vg, field).cpu().to(getattr(vr, field).dtype), getattr(vr, field)), field
+
+    # accept along target logits that follow the tree through random siblings
+    target = target_following_the_tree(tr, vocab, 0.8, gen)
+    ar = ref.accept_greedy(tr, target, depths)
+    ag = gpu.accept_greedy(tg, target.to(cuda), depths)
+    assert torch.equal(ag.accepted.cpu(), ar.accepted)
+    assert torch.equal(ag.accept_lens.cpu().to(torch.int64), ar.accept_lens)
+    assert torch.equal(ag.bonus.cpu().to(torch.int64), ar.bonus)
+    for b in range(bs):
+        tau = int(ar.accept_lens[b])
+        assert torch.equal(ag.committed[b, :tau].cpu(), ar.committed[b, :tau])
+
+    # commit plan over shuffled KV slots
+    width = budget + 1
+    slots = torch.randperm(10 * bs * width, generator=gen)[: bs * width].view(bs, width)
+    cr = ref.commit_plan(ar.accepted, ar.accept_lens, slots)
+    cg = gpu.commit_plan(ag.accepted, ag.accept_lens, slots.to(cuda))
+    for field in ("src_slots", "dst_slots", "hidden_rows"):
+        assert torch.equal(getattr(cg, field).cpu().to(torch.int64), getattr(cr, field)), field
