@@ -37,11 +37,13 @@ import argparse
 import functools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from sglang_kdtree.gpu.runtime import device_ptr as _ptr
+from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -525,19 +527,8 @@ def fused_moe_reference(hidden_states, weights: PackedMoEWeights, topk_weights, 
     return out * routed_scaling_factor
 
 
-def _require_cuda(name, t, dtypes=None):
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}; the Marlin MoE path needs CUDA tensors")
 
 
-def _ptr(t):
-    return np.uint64(t.data_ptr())
 
 
 def _require_16b(name, t):

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 
 from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.errors import raise_on_device_error
 
 __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "MAX_WIDTH", "MAX_VOCAB"]
@@ -174,11 +175,6 @@ def _kernel(name: str):
     return runtime.load_module("tree_accept.cu").get_function(name)
 
 
-def _ptr(t):
-    import numpy as np
-
-    # raw device pointers: zero-copy like DLPack, without a per-tensor conversion on the hot path
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_lens=None, out=None) -> GPUAcceptResult:

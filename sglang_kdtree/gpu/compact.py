@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu.runtime import device_ptr as _ptr
+from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 from sglang_kdtree.gpu.errors import new_error_flag
 
 __all__ = [
@@ -72,13 +74,6 @@ class KVLayerTable:
     buffers: tuple  # keeps the tensors alive and lets the table be checked against a pool
 
 
-def _require_cuda(name, t):
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}; the GPU commit needs CUDA tensors")
 
 
 def kv_layer_table(buffers) -> KVLayerTable:
@@ -160,8 +155,6 @@ def _kernel(module: str, name: str):
     return runtime.load_module(module).get_function(name)
 
 
-def _ptr(t):
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommitPlan:

@@ -10,7 +10,8 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "load_module", "as_cupy", "current_stream"]
+__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "load_module", "as_cupy", "current_stream",
+           "require_cuda", "device_ptr"]
 
 
 @functools.cache
@@ -101,3 +102,25 @@ def as_cupy(t):
     import cupy
 
     return cupy.from_dlpack(t)
+
+
+def require_cuda(name: str, t, dtypes=None) -> None:
+    """Boundary check shared by every launcher: ``t`` is a torch CUDA tensor (of one of ``dtypes``)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch CUDA tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {t.device}; the kernels need a CUDA tensor: move it to the GPU (e.g. {name}.cuda())"
+        )
+
+
+def device_ptr(t):
+    """Raw device address of a tensor (0 for None) as a kernel argument: zero-copy like DLPack, without a
+    per-tensor conversion on the hot path."""
+    import numpy as np
+
+    return np.uint64(0 if t is None else t.data_ptr())

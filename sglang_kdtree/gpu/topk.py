@@ -22,6 +22,8 @@ import os
 import numpy as np
 
 from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu.runtime import device_ptr as _ptr
+from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 
 __all__ = [
     "TOPK_ERRORS",
@@ -78,17 +80,8 @@ def raise_on_flag(error_flag, what: str = "tree construction") -> None:
         raise ValueError(f"{what}: " + "; ".join(msgs) + f" (device error bits {bits:#x})")
 
 
-def _ptr(t) -> np.uint64:
-    return np.uint64(t.data_ptr())
 
 
-def _require_cuda(name, t):
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch CUDA tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}; move it to the GPU (e.g. {name}.cuda())")
 
 
 def _check_k(k) -> int:
