@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import start_server
+from conftest import REPO, free_port, start_server
 import make_tiny_models as tiny
 
 pytestmark = pytest.mark.slow
@@ -230,3 +231,15 @@ def test_small_budget_below_half_the_draft_block(plain_server, tiny_models, serv
         server.stop()
     assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
     assert sum(r["meta_info"]["completion_tokens"] for r in spec) > sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+
+
+def test_service_healthcheck_passes_against_the_kdtree_server_and_fails_on_a_closed_port(kdtree_server):
+    """service/healthcheck.sh, the gate of the systemd upgrade (issue 8), against the real KDTREE server."""
+    script = str(REPO / "service" / "healthcheck.sh")
+    ok = subprocess.run([script, "--url", kdtree_server.url, "--timeout", "60", "--prompt", "a b c"],
+                        capture_output=True, text=True, timeout=420)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "healthy" in ok.stdout
+    closed = subprocess.run([script, "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "3"],
+                            capture_output=True, text=True, timeout=60)
+    assert closed.returncode == 1, closed.stdout + closed.stderr
