@@ -204,8 +204,7 @@ fi
 
 # ----------------------------------------------------------------------------------------------- backup
 mkdir -p "$backups_dir"
-exec 9>"$prefix$KDTREE_STATE_DIR/lock"
-flock -n 9 || kdtree_die "another install.sh or rollback.sh holds $prefix$KDTREE_STATE_DIR/lock"
+kdtree_take_lock "$prefix$KDTREE_STATE_DIR"
 
 # Backups stack up: each install that changes something pushes one, each rollback pops the newest.
 last=$(find "$backups_dir" -mindepth 1 -maxdepth 1 -type d -name '[0-9]*' -printf '%f\n' | sort -n | tail -n 1)

@@ -55,6 +55,13 @@ kdtree_load_env_file() {
 
 # kdtree_is_uint VALUE MAX: true when VALUE is a decimal integer in 1..MAX (no leading zeros, which bash
 # arithmetic would read as octal).
+# Serialise install.sh and rollback.sh: take an exclusive lock on fd 9 in state dir $1, held until exit.
+kdtree_take_lock() {
+    mkdir -p "$1"
+    exec 9>"$1/lock"
+    flock -n 9 || kdtree_die "another install.sh or rollback.sh holds $1/lock"
+}
+
 kdtree_is_uint() {
     [[ $1 =~ ^[1-9][0-9]{0,6}$ ]] && (($1 <= $2))
 }

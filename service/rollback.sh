@@ -96,9 +96,7 @@ if ((dry_run)); then
     exit 0
 fi
 
-mkdir -p "$prefix$KDTREE_STATE_DIR"
-exec 9>"$prefix$KDTREE_STATE_DIR/lock"
-flock -n 9 || kdtree_die "another install.sh or rollback.sh holds $prefix$KDTREE_STATE_DIR/lock"
+kdtree_take_lock "$prefix$KDTREE_STATE_DIR"
 
 if ((use_systemctl && restart)); then
     # Stop under the unit that is loaded now: its stop settings match the processes that are running.
