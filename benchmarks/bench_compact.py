@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_accept import hbm_bandwidth, maybe_graph, time_calls  # noqa: E402
+from bench_accept import fmt, hbm_bandwidth, maybe_graph, time_calls  # noqa: E402
 
 LAYERS = 61
 ROW = 576
@@ -81,10 +81,6 @@ def run_case(pool, table, bs, tau, bw):
     best = row["ours_graph_us"] or row["ours_us"]
     row["ours_pct_of_bw"] = 100 * row["floor_us"] / best
     return row
-
-
-def fmt(x):
-    return "n/a" if x is None else f"{x:.1f}"
 
 
 def main(argv=None):
