@@ -182,6 +182,7 @@ def run_shape(name, tokens, bw, rows, check_tokens):
     w13, w2 = bf16_experts(packed)
     print(f"[{name}] weights ready in {time.perf_counter() - t0:.1f} s (E={E} K={K} N={N})", flush=True)
     grouped = hasattr(torch, "_grouped_mm")
+    default = "atomic" if mm._resolve_reduce(None, torch.device(DEVICE)) else "fp32"
     per_expert = expert_bytes(K, N)
     gen = torch.Generator(device=DEVICE)
     gen.manual_seed(7)
@@ -195,7 +196,8 @@ def run_shape(name, tokens, bw, rows, check_tokens):
             cases.append((x, ids, w))
         touched = sum(int(torch.unique(ids).numel()) for _, ids, _ in cases) / ROTATE
         x0, ids0, w0 = cases[0]
-        ours0 = mm.fused_moe_marlin(x0, marlin, w0, ids0, FACTOR)
+        outs0 = {mode: mm.fused_moe_marlin(x0, marlin, w0, ids0, FACTOR, reduce=mode) for mode in mm.REDUCE_MODES}
+        ours0 = outs0[default]
         use_grouped = grouped
         if use_grouped:
             try:
@@ -207,25 +209,39 @@ def run_shape(name, tokens, bw, rows, check_tokens):
         plans = [None if use_grouped else bf16_moe_loop_plan(ids) for _, ids, _ in cases]
         if not use_grouped:
             base0 = bf16_moe_loop(x0, ids0, w0, w13, w2, FACTOR, plans[0])
-        row = {"shape": name, "tokens": M, "experts": touched, "baseline": "grouped_mm" if use_grouped else "loop"}
+        row = {"shape": name, "tokens": M, "experts": touched, "baseline": "grouped_mm" if use_grouped else "loop",
+               "ours_reduce": default}
         row["rel_ours_vs_bf16"] = max_rel(ours0, base0)
         if M in check_tokens:
             ref = mm.fused_moe_reference(x0, packed, w0, ids0, FACTOR)
-            row["rel_ours"] = max_rel(ours0, ref)
+            for mode, out0 in outs0.items():
+                row[f"rel_{mode}"] = max_rel(out0, ref)
+            row["rel_ours"] = row[f"rel_{default}"]
             row["rel_bf16"] = max_rel(base0, ref)
-        ours_fns = [lambda c=c: mm.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR) for c in cases]
         if use_grouped:
             base_fns = [lambda c=c: bf16_moe_grouped(c[0], c[1], c[2], w13, w2, FACTOR) for c in cases]
         else:
             base_fns = [lambda c=c, p=p: bf16_moe_loop(c[0], c[1], c[2], w13, w2, FACTOR, p)
                         for c, p in zip(cases, plans)]
-        row["ours_graph_us"], row["ours_timing"] = graph_or_eager_us(ours_fns, "ours")
+        for mode in mm.REDUCE_MODES:
+            fns = [lambda c=c, m=mode: mm.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR, reduce=m) for c in cases]
+            row[f"{mode}_graph_us"], row[f"{mode}_timing"] = graph_or_eager_us(fns, f"ours ({mode} reduce)")
+        row["ours_graph_us"], row["ours_timing"] = row[f"{default}_graph_us"], row[f"{default}_timing"]
         row["bf16_graph_us"], row["bf16_timing"] = graph_or_eager_us(base_fns, "bf16")
         calls = ROTATE * REPEAT
+        ours_fns = [lambda c=c: mm.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR) for c in cases]
         row["ours_eager_us"] = cuda_time_us(lambda: [f() for _ in range(REPEAT) for f in ours_fns], calls)
         row["floor_us"] = touched * per_expert / bw * 1e6
         row["pct_floor"] = 100 * row["floor_us"] / row["ours_graph_us"]
         row["x_vs_bf16"] = row["bf16_graph_us"] / row["ours_graph_us"]
+        other = [m for m in mm.REDUCE_MODES if m != default][0]
+        print(f"  {name} M={M:4d} experts={touched:6.1f} floor={row['floor_us']:8.1f}us ours={row['ours_graph_us']:8.1f}us "
+              f"({row['pct_floor']:5.1f}% of floor, {default} reduce; {other} reduce {row[other + '_graph_us']:.1f}us) "
+              f"bf16={row['bf16_graph_us']:8.1f}us ({row['x_vs_bf16']:.2f}x) "
+              f"eager={row['ours_eager_us']:8.1f}us rel(ours,bf16)={row['rel_ours_vs_bf16']:.2e}"
+              + ("".join(f" rel({m},ref)={row['rel_' + m]:.2e}" for m in mm.REDUCE_MODES)
+                 + f" rel(bf16,ref)={row['rel_bf16']:.2e}" if "rel_ours" in row else ""),
+              flush=True)
         rows.append(row)
         print(f"  {name} M={M:4d} experts={touched:6.1f} floor={row['floor_us']:8.1f}us ours={row['ours_graph_us']:8.1f}us "
               f"({row['pct_floor']:5.1f}% of floor) bf16={row['bf16_graph_us']:8.1f}us ({row['x_vs_bf16']:.2f}x) "
@@ -238,22 +254,66 @@ def run_shape(name, tokens, bw, rows, check_tokens):
 
 def print_table(rows, bw, device):
     print()
-    print(f"device: {device}; HBM copy bandwidth {bw / 1e12:.2f} TB/s; ours = graph replay; targets: >= 60% of "
-          "floor and >= 3x bf16 at <= 65 tokens")
-    print("| shape | tokens | experts | floor us | ours us | % floor | bf16 us | x bf16 | ours eager us | max rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"device: {device}; HBM copy bandwidth {bw / 1e12:.2f} TB/s; ours = graph replay with the default reduce; "
+          "targets: >= 60% of floor and >= 3x bf16 at <= 65 tokens")
+    print("| shape | tokens | experts | floor us | ours us | % floor | atomic us | fp32 us | bf16 us | x bf16 | "
+          "ours eager us | max rel err atomic / fp32 / bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rel = r.get("rel_ours", r["rel_ours_vs_bf16"])
         mark = lambda key: "" if r.get(key, "graph") == "graph" else " (eager)"
+        rel = " / ".join(f"{r['rel_' + k]:.1e}" if "rel_" + k in r else "-" for k in ("atomic", "fp32", "bf16"))
         print(f"| {r['shape']} | {r['tokens']} | {r['experts']:.1f} | {r['floor_us']:.1f} | "
-              f"{r['ours_graph_us']:.1f}{mark('ours_timing')} | {r['pct_floor']:.0f}% | "
+              f"{r['ours_graph_us']:.1f}{mark('ours_timing')} ({r['ours_reduce']}) | {r['pct_floor']:.0f}% | "
+              f"{r['atomic_graph_us']:.1f}{mark('atomic_timing')} | {r['fp32_graph_us']:.1f}{mark('fp32_timing')} | "
               f"{r['bf16_graph_us']:.1f}{mark('bf16_timing')} | {r['x_vs_bf16']:.2f} | {r['ours_eager_us']:.1f} | "
-              f"{rel:.1e} |")
+              f"{rel} |")
     small = [r for r in rows if r["tokens"] <= 65]
     if small:
         ok_floor = all(r["pct_floor"] >= 60 for r in small)
         ok_bf16 = all(r["x_vs_bf16"] >= 3 for r in small)
         print(f"targets at <= 65 tokens: floor {'met' if ok_floor else 'MISSED'}, bf16 {'met' if ok_bf16 else 'MISSED'}")
+
+
+SWEEP_SHAPES = {"small": (8, 256, 128, 2), "tp8": (384, 7168, 256, 8)}
+
+
+def accuracy_sweep(draws: int, tokens=(1, 8, 65)) -> list:
+    """Per-token relative error vs the fp32 reference over ``draws`` random routings/inputs per case, for
+    each reduce mode and the bf16 model: (shape, tokens, source, median, max, share of draws > 1e-2)."""
+    import torch
+
+    from sglang_kdtree import marlin_moe as mm
+
+    out = []
+    for name, (E, K, N, top_k) in SWEEP_SHAPES.items():
+        packed = mm.random_packed_weights(E, K, N, device=DEVICE, seed=5)
+        marlin = mm.repack_for_marlin(packed)
+        w13, w2 = bf16_experts(packed)
+        gen = torch.Generator(device=DEVICE)
+        gen.manual_seed(11)
+        for M in tokens:
+            errs = {m: [] for m in (*mm.REDUCE_MODES, "bf16")}
+            for _ in range(draws):
+                ids = torch.topk(torch.rand((M, E), device=DEVICE, generator=gen), top_k, dim=1).indices.to(torch.int32)
+                w = torch.rand((M, top_k), device=DEVICE, generator=gen) + 0.1
+                w = w / w.sum(dim=1, keepdim=True)
+                x = torch.randn((M, K), device=DEVICE, generator=gen).to(torch.bfloat16)
+                ref = mm.fused_moe_reference(x, packed, w, ids, FACTOR)
+                for mode in mm.REDUCE_MODES:
+                    errs[mode].append(max_rel(mm.fused_moe_marlin(x, marlin, w, ids, FACTOR, reduce=mode), ref))
+                errs["bf16"].append(max_rel(bf16_moe_loop(x, ids, w, w13, w2, FACTOR, bf16_moe_loop_plan(ids)), ref))
+            for source, e in errs.items():
+                e = sorted(e)
+                out.append((name, M, source, e[len(e) // 2], e[-1], sum(v > 1e-2 for v in e) / len(e)))
+        del packed, marlin, w13, w2
+        torch.cuda.empty_cache()
+    print()
+    print(f"accuracy sweep ({draws} draws per row; per-token relative error vs the fp32 reference)")
+    print("| shape | tokens | path | median | max | share > 1e-2 |")
+    print("|---|---|---|---|---|---|")
+    for name, M, source, med, mx, share in out:
+        print(f"| {name} | {M} | {source} | {med:.2e} | {mx:.2e} | {share:.1%} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -263,6 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check-tokens", default="1,65,520",
                         help="token counts also checked against the fp32 reference (slow at TP 1)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--sweep", type=int, default=0,
+                        help="also run the accuracy sweep with this many random draws per case (0 = skip)")
     args = parser.parse_args(argv)
     import torch
 
@@ -283,7 +345,10 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
+    sweep = []
     try:
+        if args.sweep:
+            sweep = accuracy_sweep(args.sweep)
         for name in [s for s in args.shapes.split(",") if s]:
             run_shape(name, tokens, bw, rows, check)
     except KeyboardInterrupt as exc:
@@ -291,7 +356,7 @@ def main(argv=None) -> int:
     finally:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": device, "bandwidth": bw, "rows": rows}, f, indent=1)
+                json.dump({"device": device, "bandwidth": bw, "rows": rows, "sweep": sweep}, f, indent=1)
         print_table(rows, bw, device)
     return 0
 

@@ -11,7 +11,8 @@
 # installs them through SGLang's own JIT loader, so no nvcc runs here. Without it (or if the prebuilt does
 # not load) the first Marlin call compiles (~345 s); the steps below are time-boxed so the table still
 # prints inside 600 s, and the built modules come back in $OUT/jit-prebuilt-sm90a (carry them next time as
-# .jitcache/sm90a). Knobs: DEADLINE (s, default 570), BENCH_SHAPES (default tp8,tp1).
+# .jitcache/sm90a). Knobs: DEADLINE (s, default 570), BENCH_SHAPES (default tp8,tp1), SWEEP (accuracy-sweep draws per case,
+# default 30; 0 skips it).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEADLINE=${DEADLINE:-570}
@@ -47,22 +48,22 @@ wait "$WARM"
 step "warmup rc=$(cat "$OUT/warmup.rc" 2>/dev/null)"; grep -E "seeded|ready|compiling|Error|error" "$OUT/warmup.log" | tail -5
 
 step "Marlin tests (vs fp32 reference)"
-timeout "$(cap 240 100)" python3 -m pytest -q -p no:cacheprovider -rfEs -k "not glue" tests/gpu/test_marlin_moe_gpu.py \
+timeout "$(cap 240 100)" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=8 -k "not glue" tests/gpu/test_marlin_moe_gpu.py \
   > "$OUT/test_marlin.log" 2>&1; echo "marlin tests rc=$?" | tee -a "$OUT/test_marlin.log"
 
 step "benchmark"
-timeout "$(left 20)" python3 benchmarks/bench_marlin_moe.py --shapes "${BENCH_SHAPES:-tp8,tp1}" \
+timeout "$(left 20)" python3 benchmarks/bench_marlin_moe.py --shapes "${BENCH_SHAPES:-tp8,tp1}" --sweep "${SWEEP:-30}" \
   --json "$OUT/bench_marlin.json" > "$OUT/bench_marlin.log" 2>&1; echo "bench rc=$?" | tee -a "$OUT/bench_marlin.log"
 
 step "export the JIT modules for the next run"
 timeout 20 python3 -m sglang_kdtree.marlin_moe --export "$OUT/jit-prebuilt-sm90a" > "$OUT/export.log" 2>&1
 
 echo "==== summary ===="
-cat "$OUT/gpu.txt" 2>/dev/null | tail -1
+tail -1 "$OUT/gpu.txt" 2>/dev/null
 grep -E "seeded|ready in" "$OUT/warmup.log" | tail -2
 for f in test_glue test_marlin; do
   echo "-- $f: $(grep -E '(passed|failed|error)' "$OUT/$f.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -12
 done
 grep -E "^  (tp8|tp1)" "$OUT/bench_marlin.log" | tail -16
-grep -E "^(device|\||targets)" "$OUT/bench_marlin.log" || tail -15 "$OUT/bench_marlin.log"
+grep -E "^(device|accuracy sweep|\||targets)" "$OUT/bench_marlin.log" || tail -15 "$OUT/bench_marlin.log"

@@ -788,6 +788,12 @@ def seed_prebuilt(source, dtype_name: str = "bfloat16") -> list:
     return seeded
 
 
+#: How Marlin combines the partial sums of a GEMM whose K dimension is split over several thread blocks
+#: (small token counts split K to fill the SMs): "atomic" = bf16 atomicAdd into the output (one bf16
+#: rounding per slice), "fp32" = an fp32 global reduce through Marlin's scratch buffer (one rounding).
+REDUCE_MODES = ("atomic", "fp32")
+
+
 def _uses_atomic_add(device) -> bool:
     import torch
 
@@ -795,8 +801,17 @@ def _uses_atomic_add(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _resolve_reduce(reduce, device) -> bool:
+    """``use_atomic_add`` for ``reduce`` (None = SGLang's rule, ``_uses_atomic_add``)."""
+    if reduce is None:
+        return _uses_atomic_add(device)
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce = {reduce!r}; expected one of {REDUCE_MODES} or None (SGLang's rule)")
+    return reduce == "atomic"
+
+
 def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, topk_ids,
-                     routed_scaling_factor: float = 1.0, *, out=None, errors=None):
+                     routed_scaling_factor: float = 1.0, *, out=None, errors=None, reduce=None):
     """Routed-expert output with Marlin W4A16 GEMMs; twin of ``fused_moe_reference``. No host sync.
 
     Args:
@@ -807,6 +822,7 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
         routed_scaling_factor: applied to the top-k sum.
         out: optional ``[M, K]`` bf16 output (e.g. SGLang's zero-copy MoE output).
         errors: optional ``int32 [1]`` flag (``ERR_EXPERT_ID``).
+        reduce: ``"atomic"`` or ``"fp32"`` (see ``REDUCE_MODES``); None = SGLang's rule.
     Returns:
         ``[M, K]`` bf16.
     """
@@ -830,6 +846,7 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
         raise TypeError(f"scales are {weights.w13_scale.dtype}/{weights.w2_scale.dtype}; Marlin needs them in "
                         f"the activation dtype {hidden_states.dtype}")
     _check_marlin_shape(K, N)
+    atomic = _resolve_reduce(reduce, hidden_states.device)
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(hidden_states)
@@ -844,7 +861,6 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
     topk_weights = topk_weights.contiguous()
     block = choose_block_size_m(M, top_k, E)
     align = moe_align_block_size(topk_ids, E, block, errors=errors)
-    atomic = _uses_atomic_add(hidden_states.device)
     tables = (align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, topk_weights)
     gate_up = torch.empty((M * top_k, 2 * N), dtype=hidden_states.dtype, device=hidden_states.device)
     moe_wna16_marlin_gemm(

@@ -387,7 +387,7 @@ class _MarlinEmulator:
                  use_fp32_reduce=False, is_zp_float=False, expert_ids_are_sorted=False,
                  zero_inactive_output=False, has_inactive_prefix_count=False):
         self.calls.append(dict(top_k=top_k, mul=mul_topk_weights, size_m=size_m, size_n=size_n, size_k=size_k,
-                               block=moe_block_size))
+                               block=moe_block_size, atomic=use_atomic_add, fp32_reduce=use_fp32_reduce))
         c = c_or_none
         assert b_q_type.id == mm.UINT4B8.id and not is_ep and b_bias_or_none is None and b_zeros_or_none is None
         assert g_idx_or_none is None and perm_or_none is None and global_scale_or_none is None
@@ -466,6 +466,16 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     assert torch.all(ours[3] == 0) and torch.isfinite(ours).all()
     rel = (ours.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
     assert float(rel.max()) <= 1e-2
+    assert [(c["atomic"], c["fp32_reduce"]) for c in emulator.calls] == [(True, True)] * 2  # SGLang's rule
+    # the reduce mode reaches both GEMMs; an unknown one is refused before any launch
+    for reduce, atomic in (("fp32", False), ("atomic", True)):
+        emulator.calls.clear()
+        assert torch.equal(mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce=reduce), ours)
+        assert [c["atomic"] for c in emulator.calls] == [atomic] * 2
+    emulator.calls.clear()
+    with pytest.raises(ValueError, match="reduce = 'bf16'"):
+        mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce="bf16")
+    assert emulator.calls == []
     # a strided caller buffer (e.g. a column slice) receives the same result through the final copy
     wide = torch.full((M, 2 * K), 5.0, dtype=torch.bfloat16)
     strided = wide[:, :K]

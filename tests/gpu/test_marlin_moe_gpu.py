@@ -196,7 +196,7 @@ def weights_for(E, K, N):
     return _WEIGHTS[(E, K, N)]
 
 
-def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None):
+def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None, reduce=None):
     torch = _torch()
     packed, marlin = weights_for(E, K, N)
     ids, weights = routing(M, top_k, E, kind, seed=M * 7 + N)
@@ -207,7 +207,7 @@ def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None):
     x = torch.randn((M, K), device="cuda", generator=g).to(torch.bfloat16)
     poison_allocator()
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ours = mm.fused_moe_marlin(x, marlin, weights, ids, factor, errors=errors)
+    ours = mm.fused_moe_marlin(x, marlin, weights, ids, factor, errors=errors, reduce=reduce)
     ref = mm.fused_moe_reference(x, packed, weights, ids, factor)
     assert int(errors[0]) == 0
     assert ours.shape == (M, K) and ours.dtype == torch.bfloat16
@@ -222,14 +222,16 @@ def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None):
 @pytest.mark.parametrize("M", [1, 2, 8, 33, 65, 130, 520, 1024])
 @pytest.mark.parametrize("kind", ["random", "hot", "padded", "repeat"])
 @pytest.mark.parametrize("E, K, N, top_k", [(8, 256, 128, 2), (16, 512, 128, 4), (64, 1024, 256, 8)])
-def test_marlin_small_shapes(marlin_ready, E, K, N, top_k, M, kind):
-    run_case(E, K, N, M, top_k, kind)
+@pytest.mark.parametrize("reduce", mm.REDUCE_MODES)
+def test_marlin_small_shapes(marlin_ready, E, K, N, top_k, M, kind, reduce):
+    run_case(E, K, N, M, top_k, kind, reduce=reduce)
 
 
 @pytest.mark.parametrize("M, kind", [(1, "random"), (8, "random"), (32, "skewed"), (65, "random"),
                                      (130, "padded"), (260, "random"), (520, "hot"), (1024, "random")])
-def test_marlin_kimi_k26_tp8(marlin_ready, M, kind):
-    run_case(384, 7168, 256, M, 8, kind)
+@pytest.mark.parametrize("reduce", mm.REDUCE_MODES)
+def test_marlin_kimi_k26_tp8(marlin_ready, M, kind, reduce):
+    run_case(384, 7168, 256, M, 8, kind, reduce=reduce)
 
 
 @pytest.mark.parametrize("M, kind", [(1, "random"), (65, "skewed"), (1024, "random")])
