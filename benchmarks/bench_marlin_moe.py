@@ -31,6 +31,7 @@ TOP_K = 8
 FACTOR = 2.827  # Kimi K2's routed_scaling_factor
 ROTATE = 8
 REPEAT = 4
+BREAKDOWN_TOKENS = (1, 8, 65)  # token counts whose time is also split by stage
 DEVICE = "cuda"  # a CPU smoke test of this script's plumbing swaps it (and torch.cuda's timing objects)
 
 
@@ -182,7 +183,7 @@ def run_shape(name, tokens, bw, rows, check_tokens):
     w13, w2 = bf16_experts(packed)
     print(f"[{name}] weights ready in {time.perf_counter() - t0:.1f} s (E={E} K={K} N={N})", flush=True)
     grouped = hasattr(torch, "_grouped_mm")
-    default = "atomic" if mm._resolve_reduce(None, torch.device(DEVICE)) else "fp32"
+    default = mm.DEFAULT_REDUCE
     per_expert = expert_bytes(K, N)
     gen = torch.Generator(device=DEVICE)
     gen.manual_seed(7)
@@ -242,14 +243,52 @@ def run_shape(name, tokens, bw, rows, check_tokens):
               + ("".join(f" rel({m},ref)={row['rel_' + m]:.2e}" for m in mm.REDUCE_MODES)
                  + f" rel(bf16,ref)={row['rel_bf16']:.2e}" if "rel_ours" in row else ""),
               flush=True)
+        if M in BREAKDOWN_TOKENS:
+            row["stages_us"] = stage_breakdown(marlin, cases, default)
+            print("    stages: " + ", ".join(f"{k} {v:.1f}us" for k, v in row["stages_us"].items()), flush=True)
         rows.append(row)
-        print(f"  {name} M={M:4d} experts={touched:6.1f} floor={row['floor_us']:8.1f}us ours={row['ours_graph_us']:8.1f}us "
-              f"({row['pct_floor']:5.1f}% of floor) bf16={row['bf16_graph_us']:8.1f}us ({row['x_vs_bf16']:.2f}x) "
-              f"eager={row['ours_eager_us']:8.1f}us rel(ours,bf16)={row['rel_ours_vs_bf16']:.2e}"
-              + (f" rel(ours,ref)={row['rel_ours']:.2e} rel(bf16,ref)={row['rel_bf16']:.2e}" if "rel_ours" in row else ""),
-              flush=True)
     del packed, marlin, w13, w2
     torch.cuda.empty_cache()
+
+
+def stage_breakdown(marlin, cases, reduce) -> dict:
+    """Graph-replay microseconds of each stage of ``fused_moe_marlin`` on its own (same rotation of cases,
+    inputs of every stage precomputed): where the time between the floor and the whole call goes."""
+    import torch
+
+    from sglang_kdtree import marlin_moe as mm
+
+    E, N, K = marlin.num_experts, marlin.intermediate_size, marlin.hidden_size
+    atomic = reduce == "atomic"
+    prepared = []
+    for x, ids, w in cases:
+        M, top_k = ids.shape
+        block = mm.choose_block_size_m(M, top_k, E)
+        align = mm.moe_align_block_size(ids, E, block)
+        tables = (align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, w)
+        gate_up = torch.empty((M * top_k, 2 * N), dtype=x.dtype, device=x.device)
+        act = torch.empty((M * top_k, N), dtype=x.dtype, device=x.device)
+        routed = torch.empty((M * top_k, K), dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x)
+        prepared.append((x, ids, block, tables, gate_up, act, routed, out))
+    stages = {
+        "align": lambda x, ids, block, tables, gate_up, act, routed, out: mm.moe_align_block_size(ids, E, block),
+        "gemm1": lambda x, ids, block, tables, gate_up, act, routed, out: mm.marlin_gemm(
+            x, gate_up, marlin.w13, marlin.w13_scale, marlin.workspace, tables, block, top_k=ids.shape[1],
+            mul_topk_weights=False, atomic=atomic),
+        "silu": lambda x, ids, block, tables, gate_up, act, routed, out: mm.silu_and_mul(gate_up, out=act),
+        "gemm2": lambda x, ids, block, tables, gate_up, act, routed, out: mm.marlin_gemm(
+            act, routed, marlin.w2, marlin.w2_scale, marlin.workspace, tables, block, top_k=1,
+            mul_topk_weights=True, atomic=atomic),
+        "topk_sum": lambda x, ids, block, tables, gate_up, act, routed, out: mm.moe_topk_sum(
+            routed, ids, E, FACTOR, out=out),
+    }
+    result = {}
+    for name, stage in stages.items():
+        fns = [lambda p=p, f=stage: f(*p) for p in prepared]
+        result[name], _ = graph_or_eager_us(fns, f"stage {name}")
+    result["sum"] = sum(result.values())
+    return result
 
 
 def print_table(rows, bw, device):
@@ -267,6 +306,16 @@ def print_table(rows, bw, device):
               f"{r['atomic_graph_us']:.1f}{mark('atomic_timing')} | {r['fp32_graph_us']:.1f}{mark('fp32_timing')} | "
               f"{r['bf16_graph_us']:.1f}{mark('bf16_timing')} | {r['x_vs_bf16']:.2f} | {r['ours_eager_us']:.1f} | "
               f"{rel} |")
+    split = [r for r in rows if "stages_us" in r]
+    if split:
+        names = list(split[0]["stages_us"])
+        print()
+        print(f"stages on their own (graph replay, us, {split[0]['ours_reduce']} reduce)")
+        print("| shape | tokens | " + " | ".join(names) + " | whole call |")
+        print("|---|---|" + "---|" * (len(names) + 1))
+        for r in split:
+            print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r['stages_us'][k]:.1f}" for k in names)
+                  + f" | {r['ours_graph_us']:.1f} |")
     small = [r for r in rows if r["tokens"] <= 65]
     if small:
         ok_floor = all(r["pct_floor"] >= 60 for r in small)

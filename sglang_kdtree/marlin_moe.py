@@ -789,25 +789,40 @@ def seed_prebuilt(source, dtype_name: str = "bfloat16") -> list:
 
 
 #: How Marlin combines the partial sums of a GEMM whose K dimension is split over several thread blocks
-#: (small token counts split K to fill the SMs): "atomic" = bf16 atomicAdd into the output (one bf16
-#: rounding per slice), "fp32" = an fp32 global reduce through Marlin's scratch buffer (one rounding).
-REDUCE_MODES = ("atomic", "fp32")
+#: (small token counts split K to fill the SMs): "fp32" = Marlin's fp32 global reduce through its scratch
+#: buffer, slices added in a fixed order (one bf16 rounding, run-to-run deterministic); "atomic" = bf16
+#: atomicAdd of every slice into the output (SGLang's choice on sm_90: one rounding per slice, order
+#: depends on scheduling).
+REDUCE_MODES = ("fp32", "atomic")
+#: The default. Measured on the H200 (benchmarks/RESULTS.md): "atomic" exceeds issue 7's 1e-2 relative-error
+#: bar on 40% of random draws at hidden 256 / 65 tokens and reaches 9.9e-3 at Kimi TP 8 / 1 token, while
+#: "fp32" stays within 8.8e-3 everywhere (the bf16 model's own level); the two take the same time at 8 or more
+#: tokens (every tree verify) and "atomic" wins only at 1 token (27 vs 43 us at TP 8).
+DEFAULT_REDUCE = "fp32"
 
 
-def _uses_atomic_add(device) -> bool:
-    import torch
-
-    # SGLang's rule for bf16: atomic adds across K-slices on sm_90+, where they beat a second reduce pass.
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _resolve_reduce(reduce, device) -> bool:
-    """``use_atomic_add`` for ``reduce`` (None = SGLang's rule, ``_uses_atomic_add``)."""
-    if reduce is None:
-        return _uses_atomic_add(device)
+def _resolve_reduce(reduce) -> bool:
+    """``use_atomic_add`` for ``reduce`` (None = ``DEFAULT_REDUCE``)."""
+    reduce = DEFAULT_REDUCE if reduce is None else reduce
     if reduce not in REDUCE_MODES:
-        raise ValueError(f"reduce = {reduce!r}; expected one of {REDUCE_MODES} or None (SGLang's rule)")
+        raise ValueError(f"reduce = {reduce!r}; expected one of {REDUCE_MODES} or None ({DEFAULT_REDUCE!r})")
     return reduce == "atomic"
+
+
+def marlin_gemm(a, c, w, scale, workspace, tables, block: int, *, top_k: int, mul_topk_weights: bool,
+                atomic: bool):
+    """One of the path's two grouped GEMMs: SGLang's JIT ``moe_wna16_marlin_gemm`` (uint4b8, no EP, bias,
+    zero points or act-order) writing ``c [rows * top_k, N] = a[route // top_k] @ W[expert]`` for every live
+    route of ``tables`` = (sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights), times the
+    route's top-k weight when ``mul_topk_weights``. ``fused_moe_marlin`` checks the arguments."""
+    from sglang.kernels.ops.moe.moe_wna16_marlin import moe_wna16_marlin_gemm
+
+    size_k = a.shape[1]
+    return moe_wna16_marlin_gemm(
+        a, c, w, None, scale, None, None, None, None, workspace, *tables, moe_block_size=block, top_k=top_k,
+        mul_topk_weights=mul_topk_weights, is_ep=False, b_q_type=UINT4B8, size_m=a.shape[0], size_n=c.shape[1],
+        size_k=size_k, is_k_full=True, use_atomic_add=atomic, use_fp32_reduce=True, is_zp_float=False,
+    )
 
 
 def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, topk_ids,
@@ -822,13 +837,11 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
         routed_scaling_factor: applied to the top-k sum.
         out: optional ``[M, K]`` bf16 output (e.g. SGLang's zero-copy MoE output).
         errors: optional ``int32 [1]`` flag (``ERR_EXPERT_ID``).
-        reduce: ``"atomic"`` or ``"fp32"`` (see ``REDUCE_MODES``); None = SGLang's rule.
+        reduce: ``"fp32"`` or ``"atomic"`` (see ``REDUCE_MODES``); None = ``DEFAULT_REDUCE``.
     Returns:
         ``[M, K]`` bf16.
     """
     import torch
-
-    from sglang.kernels.ops.moe.moe_wna16_marlin import moe_wna16_marlin_gemm
 
     _require_cuda("hidden_states", hidden_states, (torch.bfloat16,))
     _require_cuda("topk_weights", topk_weights, (torch.float32,))
@@ -846,7 +859,7 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
         raise TypeError(f"scales are {weights.w13_scale.dtype}/{weights.w2_scale.dtype}; Marlin needs them in "
                         f"the activation dtype {hidden_states.dtype}")
     _check_marlin_shape(K, N)
-    atomic = _resolve_reduce(reduce, hidden_states.device)
+    atomic = _resolve_reduce(reduce)
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(hidden_states)
@@ -863,20 +876,12 @@ def fused_moe_marlin(hidden_states, weights: MarlinMoEWeights, topk_weights, top
     align = moe_align_block_size(topk_ids, E, block, errors=errors)
     tables = (align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, topk_weights)
     gate_up = torch.empty((M * top_k, 2 * N), dtype=hidden_states.dtype, device=hidden_states.device)
-    moe_wna16_marlin_gemm(
-        hidden_states, gate_up, weights.w13, None, weights.w13_scale, None, None, None, None,
-        weights.workspace, *tables, moe_block_size=block, top_k=top_k, mul_topk_weights=False, is_ep=False,
-        b_q_type=UINT4B8, size_m=M, size_n=2 * N, size_k=K, is_k_full=True, use_atomic_add=atomic,
-        use_fp32_reduce=True, is_zp_float=False,
-    )
+    marlin_gemm(hidden_states, gate_up, weights.w13, weights.w13_scale, weights.workspace, tables, block,
+                top_k=top_k, mul_topk_weights=False, atomic=atomic)
     act = silu_and_mul(gate_up)
     routed = torch.empty((M * top_k, K), dtype=hidden_states.dtype, device=hidden_states.device)
-    moe_wna16_marlin_gemm(
-        act, routed, weights.w2, None, weights.w2_scale, None, None, None, None,
-        weights.workspace, *tables, moe_block_size=block, top_k=1, mul_topk_weights=True, is_ep=False,
-        b_q_type=UINT4B8, size_m=M * top_k, size_n=K, size_k=N, is_k_full=True, use_atomic_add=atomic,
-        use_fp32_reduce=True, is_zp_float=False,
-    )
+    marlin_gemm(act, routed, weights.w2, weights.w2_scale, weights.workspace, tables, block,
+                top_k=1, mul_topk_weights=True, atomic=atomic)
     moe_topk_sum(routed, topk_ids, E, routed_scaling_factor, out=combined)
     if combined is not out:
         out.copy_(combined)

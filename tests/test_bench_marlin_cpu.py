@@ -32,9 +32,20 @@ def bench(monkeypatch):
         calls.append(reduce)
         return mm.fused_moe_reference(x, marlin, w, ids, factor).to(torch.bfloat16)
 
-    monkeypatch.setattr(mm, "repack_for_marlin", lambda packed: packed)
+    def fake_repack(packed):  # the stand-in keeps the packed layout; the stage functions below only record
+        packed.w13, packed.w2, packed.workspace = packed.w13_packed, packed.w2_packed, None
+        return packed
+
+    monkeypatch.setattr(mm, "repack_for_marlin", fake_repack)
+    stages = []
+    monkeypatch.setattr(mm, "moe_align_block_size", lambda ids, e, block, errors=None: (
+        stages.append("align"), mm.moe_align_reference(ids, e, block))[1])
+    monkeypatch.setattr(mm, "marlin_gemm", lambda a, c, w, scale, ws, tables, block, *, top_k, mul_topk_weights,
+                        atomic: stages.append(("gemm", c.shape[1], top_k, mul_topk_weights, atomic)))
+    monkeypatch.setattr(mm, "silu_and_mul", lambda x, out=None: stages.append("silu"))
+    monkeypatch.setattr(mm, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: stages.append("sum"))
+    monkeypatch.setattr(module, "BREAKDOWN_TOKENS", (5,))
     monkeypatch.setattr(mm, "fused_moe_marlin", fake_marlin)
-    monkeypatch.setattr(mm, "_resolve_reduce", lambda reduce, device: True)
     timed = []
 
     def fake_timer(run, calls, trials=5):
@@ -46,6 +57,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(module, "graph_of", lambda fns: type("G", (), {"replay": lambda self: [f() for f in fns]})())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     module._calls = calls
+    module._stages = stages
     return module
 
 
@@ -54,14 +66,19 @@ def test_bench_rows_sweep_and_table(bench, capsys):
     bench.run_shape("tiny", [1, 5], 1e12, rows, check_tokens={1})
     assert [r["tokens"] for r in rows] == [1, 5]
     for r in rows:
-        assert r["ours_reduce"] == "atomic" and r["ours_graph_us"] == r["atomic_graph_us"] == 10.0
-        assert r["fp32_graph_us"] == 10.0 and r["bf16_graph_us"] == 10.0 and r["floor_us"] > 0
+        assert r["ours_reduce"] == mm.DEFAULT_REDUCE and r["ours_graph_us"] == r["fp32_graph_us"] == 10.0
+        assert r["atomic_graph_us"] == 10.0 and r["bf16_graph_us"] == 10.0 and r["floor_us"] > 0
     # the bf16 model path agrees with the float reference to bf16 accuracy, and so does the stand-in
     assert rows[0]["rel_bf16"] < 2e-2 and rows[0]["rel_atomic"] < 2e-2 and "rel_fp32" not in rows[1]
     assert {"atomic", "fp32", None} <= set(bench._calls)
+    assert "stages_us" not in rows[0] and set(rows[1]["stages_us"]) == {"align", "gemm1", "silu", "gemm2",
+                                                                      "topk_sum", "sum"}
+    # both GEMMs with their shapes and the default reduce (fp32: no atomics)
+    assert ("gemm", 256, 2, False, False) in bench._stages and ("gemm", 256, 1, True, False) in bench._stages
+    assert {"align", "silu", "sum"} <= set(bench._stages)
     sweep = bench.accuracy_sweep(3, tokens=(1, 2))
     assert {(s[0], s[1], s[2]) for s in sweep} == {("tiny", m, p) for m in (1, 2) for p in ("atomic", "fp32", "bf16")}
     assert all(0 <= s[3] <= s[4] < 2e-2 and s[5] == 0 for s in sweep)
     bench.print_table(rows, 1e12, "cpu")
     out = capsys.readouterr().out
-    assert "| tiny | 1 |" in out and "targets at <= 65 tokens" in out and "accuracy sweep (3 draws" in out
+    assert "| tiny | 1 |" in out and "stages on their own" in out and "targets at <= 65 tokens" in out and "accuracy sweep (3 draws" in out

@@ -14,12 +14,17 @@ from sglang_kdtree import marlin_moe as mm
 
 pytestmark = pytest.mark.gpu
 
-#: Issue 7's bar: ||ours - ref|| / ||ref|| over the whole output vs the fp32 reference.
+#: Issue 7's bar: ||ours - ref|| / ||ref|| over the whole output vs the fp32 reference, for the default
+#: (fp32) reduce.
 REL_TOL = 1e-2
-#: Per-token bound, to catch a single broken token: our path (like SGLang's) rounds the SiLU*up intermediate
-#: and the output to bf16 while the reference stays fp32; on the H200 one token of 520 at hidden 256 reached
-#: 1.23e-2 (typical 6e-3), so per token the bound is twice the global one.
+#: Per-token bound, to catch a single broken token: our path (like SGLang's) rounds the gate/up output, the
+#: SiLU*up intermediate and each route's output to bf16 while the reference stays fp32; the H200 accuracy
+#: sweep (benchmarks/RESULTS.md) saw per-token errors up to 8.8e-3 with the fp32 reduce, so per token the
+#: bound is twice the global one.
 TOKEN_REL_TOL = 2e-2
+#: The opt-in "atomic" reduce adds one bf16 rounding per K-slice: measured up to 1.21e-2 (above issue 7's bar,
+#: which is why it is not the default); checked against twice the bar so a broken kernel still fails.
+ATOMIC_REL_TOL = 2e-2
 
 
 def _torch():
@@ -215,7 +220,8 @@ def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None, reduce=None)
     rel = rel_errors(ours, ref)
     assert rel.numel() == 0 or float(rel.max()) <= TOKEN_REL_TOL, f"max per-token rel error {float(rel.max()):.3e}"
     total = float((ours.float() - ref).norm() / ref.norm()) if float(ref.norm()) > 0 else 0.0
-    assert total <= REL_TOL, f"rel error {total:.3e}"
+    bar = ATOMIC_REL_TOL if reduce == "atomic" else REL_TOL
+    assert total <= bar, f"rel error {total:.3e} ({reduce or mm.DEFAULT_REDUCE} reduce)"
     return ours, ref
 
 
@@ -292,3 +298,17 @@ def test_marlin_cuda_graph_replay(marlin_ready):
         torch.cuda.synchronize()
         ref = mm.fused_moe_reference(x, packed, weights, ids, 2.827)
         assert float(rel_errors(out, ref).max()) <= REL_TOL
+
+
+@pytest.mark.parametrize("M", [1, 8, 65])
+def test_marlin_default_reduce_is_deterministic(marlin_ready, M):
+    """The default (fp32) reduce adds K-slices in a fixed order: repeated calls are bit-identical, so greedy
+    verify sees the same logits every time (the "atomic" mode does not promise this)."""
+    torch = _torch()
+    assert mm.DEFAULT_REDUCE == "fp32"
+    packed, marlin = weights_for(384, 7168, 256)
+    ids, weights = routing(M, 8, 384, "random", seed=M + 99)
+    x = torch.randn((M, 7168), device="cuda").to(torch.bfloat16)
+    first = mm.fused_moe_marlin(x, marlin, weights, ids, 2.827)
+    for _ in range(20):
+        assert torch.equal(mm.fused_moe_marlin(x, marlin, weights, ids, 2.827), first)
