@@ -1,12 +1,11 @@
 """GPU tests of sglang_kdtree.marlin_moe (H200): the CuPy glue kernels against their torch twins (exact
-tables, exact top-k sum, SiLU within one bf16 ulp), and the whole Marlin W4A16 path against the fp32
-float reference (relative error <= 1e-2 over the output, <= 2e-2 per token; both reduce modes) for small
-shapes and Kimi K2.6 at TP 8 and TP 1, token
-counts 1..1024, routing with repeated, unused and dropped (-1) experts; also int64 ids, caller-owned
-output, an id >= num_experts (flagged, route dropped), CUDA-graph replay and run-to-run determinism
-of the default reduce. Outputs start from a
-poisoned allocator. Tests named *glue* need no Marlin compile; the others build (or load) the Marlin JIT
-module first (~6 min of nvcc when SGLang's cache is cold)."""
+tables, exact top-k sum, SiLU within one bf16 ulp), and the whole Marlin W4A16 path against the fp32 float
+reference (relative error <= 1e-2 over the output, <= 2e-2 per token; both reduce modes) for small shapes
+and Kimi K2.6 at TP 8 and TP 1, token counts 1..1024, routing with repeated, unused and dropped (-1)
+experts; also int64 ids, caller-owned output, an id >= num_experts (flagged, route dropped), CUDA-graph
+replay and run-to-run determinism of the default reduce. Outputs start from a poisoned allocator. Tests
+named *glue* need no Marlin compile; the others build (or load) the Marlin JIT module first (~6 min of nvcc
+when SGLang's cache is cold)."""
 
 from __future__ import annotations
 
