@@ -17,7 +17,8 @@ Weight layouts (all per local expert, K = hidden size, N = expert intermediate s
 Forward (``fused_moe_marlin``), the call sequence of SGLang's ``fused_marlin_moe``: align the routes to
 expert blocks (``kernels/moe_align.cu``), GEMM1 ``x @ w13`` without top-k weights, SiLU-and-mul
 (``kernels/silu_and_mul.cu``), GEMM2 ``@ w2`` with the top-k weights, then the top-k sum times the routed
-scaling factor (``kernels/moe_topk_sum.cu``). ``fused_moe_reference`` is the float twin (same argument
+scaling factor (``kernels/moe_topk_sum.cu``). Marlin's K-slices are combined with its fp32 reduce by default
+(``DEFAULT_REDUCE``; SGLang uses bf16 atomics on sm_90). ``fused_moe_reference`` is the float twin (same argument
 order, ``PackedMoEWeights``), and every glue kernel has a torch twin (``*_reference``).
 
 Marlin MoE is a JIT module: the first call compiles it with nvcc (~6 minutes on the H200 machine) into
