@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Top-K + lse pipelines on the H200: exactness tests (tree construction file + boundary), A/B timings of the
-# top-K stage (histogram vs cut pipeline, graph replay + eager), and the round at budget 64 with the CPU path
+# top-K stage (histogram vs cut pipeline vs AB_VARIANT, by default the histogram pipeline before its sample
+# bound; graph replay + eager), and the round at budget 64 with the CPU path
 # for each pipeline (SGLANG_KDTREE_TOPK_IMPL). Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
-timeout ${TEST_TIMEOUT:-85} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_gpu.py \
+timeout "${TEST_TIMEOUT:-85}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_gpu.py \
   tests/test_tree_gpu_boundary.py > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 grep -E "passed|failed|Error|error|assert" "$OUT/tests.log" | tail -25
-timeout ${AB_TIMEOUT:-50} python3 benchmarks/topk_ab.py --impls histogram cut --json "$OUT/topk_ab.json" \
-  > "$OUT/topk_ab.log" 2>&1
+timeout "${AB_TIMEOUT:-50}" python3 benchmarks/topk_ab.py --impls histogram cut \
+  --variant="${AB_VARIANT:--DHIST_NO_BOUND -DHIST_COPIES=2}" --json "$OUT/topk_ab.json" > "$OUT/topk_ab.log" 2>&1
 echo "topk_ab rc=$?"; grep -v '^{' "$OUT/topk_ab.log" | tail -20
 for impl in histogram cut; do
-  SGLANG_KDTREE_TOPK_IMPL=$impl timeout ${BENCH_TIMEOUT:-22} python3 -m sglang_kdtree.bench_gpu --batches 32 \
+  SGLANG_KDTREE_TOPK_IMPL=$impl timeout "${BENCH_TIMEOUT:-22}" python3 -m sglang_kdtree.bench_gpu --batches 32 \
     --budgets 64 --json "$OUT/bench_$impl.json" > "$OUT/bench_$impl.log" 2>&1
   echo "bench_gpu $impl rc=$?"; grep -v '^{' "$OUT/bench_$impl.log" | tail -4
 done

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512])
     p.add_argument("--impls", nargs="+", default=["histogram", "cut"], help="topk.IMPL pipelines to time")
     p.add_argument("--old", default=None, help="module path of an older topk launcher to compare")
-    p.add_argument("--variant", action="append", default=[], help="extra NVRTC option set for the new kernel")
+    p.add_argument("--variant", action="append", default=[], help="extra NVRTC option set (space-separated) for the first impl's kernel, "
+                   "e.g. '-DHIST_NO_BOUND -DHIST_COPIES=2' (the histogram pipeline before its sample bound)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     old = None
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     depth, vocab = 15, 163840
     rows_out = []
-    impls = ([(i, new, (), i) for i in a.impls] + [(f"{a.impls[0]}{v}", new, (v,), a.impls[0]) for v in a.variant]
+    impls = ([(i, new, (), i) for i in a.impls] + [(f"{a.impls[0]}[{v}]", new, tuple(v.split()), a.impls[0])
+                                                      for v in a.variant]
              + ([("old", old, (), None)] if old else []))
     for bs in a.batches:
         logits = peaked_logits(bs, depth, vocab, seed=bs)

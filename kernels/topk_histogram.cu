@@ -1,17 +1,23 @@
 // Per-row top-K + logsumexp over a drafter's vocabulary, exact (ties: lower token id first), by streaming
 // histograms instead of per-chunk selection.
 //
-// Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Four
+// Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Five
 // launches, all on fixed preallocated workspaces (graph-capturable):
 //
+//   hist_sample grid (R), 256 threads. The row's first 8192 columns (a sample: the vocabulary order says
+//               nothing about the values): the bin of the sample's K-th largest key, `row_bound`. At least K
+//               keys of the row lie in bins >= row_bound, so the row's boundary bin b* (below) is >= it and
+//               no key under it can be a winner or move b*: hist_pass need not count them.
 //   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per element the
-//               order-preserving key; a block histogram of the key's top 12 bits in shared memory (two
-//               lane-interleaved copies, so lanes of a warp that hit the same hot bin collide half as often),
-//               flushed to the row's global histogram with one atomic per nonzero bin; the chunk's
+//               order-preserving key; a block histogram of the key's top 12 bits in shared memory, of the
+//               keys in bins >= row_bound only (on peaked logits almost every key sits in a few hot bins far
+//               below the winners: counting them made the lanes of a warp collide on the same shared
+//               address), flushed to the row's global histogram with one atomic per nonzero bin; the chunk's
 //               (max, sum exp(x - max)) for the logsumexp; and per thread the largest bin among its 32
 //               columns (`group_bin`), so the collect pass can skip groups with nothing to give.
 //   hist_bound  grid (R), 256 threads. Scans the row's histogram from the top to the boundary bin b* where
-//               the count reaches K (every winner has bin >= b*), and zeroes the histogram for the next call.
+//               the count reaches K (every winner has bin >= b*; the counts of bins >= row_bound are exact),
+//               and zeroes the histogram for the next call.
 //               If the candidates (bin >= b*) exceed the row's candidate capacity (heavy ties), the row is
 //               marked for the exact whole-row select in hist_select instead.
 //   hist_collect grid (R * C), 256 threads. Re-reads only the 32-column groups whose largest bin is >= b*
@@ -32,7 +38,10 @@
 #define H_BITS 12                          // histogram bins: the key's top 12 bits
 #define H_BINS (1 << H_BITS)
 #define H_SHIFT (32 - H_BITS)
-#define H_COPIES 2
+#ifndef HIST_COPIES
+#define HIST_COPIES 1                      // lane-interleaved shared histogram copies (2 halves hot-bin collisions)
+#endif
+#define H_COPIES HIST_COPIES
 #define H_PAD (H_BINS + 1)                 // copy stride: the same bin of two copies sits in different banks
 #define S_THREADS 256
 #define S_CACHE 2048                       // candidates staged in shared memory when they fit (16 KiB)
@@ -89,14 +98,63 @@ __device__ __forceinline__ int group_col(int e) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// pass 1: histogram + logsumexp partial + per-group max bin
+// pass 0: a lower bound of the boundary bin from the row's first chunk
+// ---------------------------------------------------------------------------------------------------
+
+template <typename T, int VEC>
+__device__ __forceinline__ void hist_sample(const T* __restrict__ logits, long long row_stride, int V, int K,
+                                            int* __restrict__ row_bound) {
+  __shared__ u32 hist[H_BINS];
+  __shared__ u32 scratch[32];
+  __shared__ u32 sel[3];
+  const int tid = threadIdx.x, r = blockIdx.x;
+  const int n = min(H_COLS, V);
+  const u32 want = (u32)min(K, V);
+#ifdef HIST_NO_BOUND  // A/B switch: count every key (the pipeline before the bound)
+  if (tid == 0) row_bound[r] = 0;
+  return;
+#endif
+  if ((u32)n < want) {  // fewer sampled keys than K: no bound
+    if (tid == 0) row_bound[r] = 0;
+    return;
+  }
+  u32 raw[Packed<T>::words];
+  load_group<T, VEC>(logits + (long long)r * row_stride, n, raw);
+  for (int b = tid; b < H_BINS; b += H_THREADS) hist[b] = 0u;
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e)
+    if (group_col<VEC>(e) < n) atomicAdd(hist + (float_key(elem_float(raw, e, T())) >> H_SHIFT), 1u);
+  __syncthreads();
+  find_bucket<H_THREADS>(hist, H_BINS, want, scratch, sel);  // the sample's K-th largest key is in bin sel[0]
+  if (tid == 0) row_bound[r] = (int)sel[0];
+}
+
+#define SAMPLE_ARGS long long row_stride, int V, int K, int *row_bound
+#define SAMPLE_PASS row_stride, V, K, row_bound
+
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_bf16_v8(const unsigned short* logits, SAMPLE_ARGS) {
+  hist_sample<unsigned short, 8>(logits, SAMPLE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_bf16_v1(const unsigned short* logits, SAMPLE_ARGS) {
+  hist_sample<unsigned short, 1>(logits, SAMPLE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_f32_v4(const float* logits, SAMPLE_ARGS) {
+  hist_sample<float, 4>(logits, SAMPLE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_f32_v1(const float* logits, SAMPLE_ARGS) {
+  hist_sample<float, 1>(logits, SAMPLE_PASS);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// pass 1: histogram (bins >= row_bound) + logsumexp partial + per-group max bin
 // ---------------------------------------------------------------------------------------------------
 
 template <typename T, int VEC>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
-                                          int* __restrict__ err) {
+                                          const int* __restrict__ row_bound, int* __restrict__ err) {
   __shared__ u32 hist[H_COPIES * H_PAD];
   __shared__ float fscratch[H_THREADS / 32];
   __shared__ double dscratch[H_THREADS / 32];
@@ -106,9 +164,12 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   const int n = min(H_COLS, V - start);
   const T* row = logits + (long long)r * row_stride + start;
 
+  const u32 lo = (u32)row_bound[r];  // keys in bins < lo are not counted (see hist_sample)
   u32 raw[Packed<T>::words];
   load_group<T, VEC>(row, n, raw);  // issued before the zeroing so the loads are in flight meanwhile
-  for (int b = tid; b < H_COPIES * H_PAD; b += H_THREADS) hist[b] = 0u;
+#pragma unroll
+  for (int cp = 0; cp < H_COPIES; ++cp)
+    for (int b = (int)lo + tid; b < H_BINS; b += H_THREADS) hist[cp * H_PAD + b] = 0u;
   __syncthreads();
 
   u32* my = hist + (lane & (H_COPIES - 1)) * H_PAD;
@@ -124,7 +185,7 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
       else if (f == INFINITY) bad |= ERR_POSINF;
       m = fmaxf(m, f);
       gmax = max(gmax, key >> H_SHIFT);
-      atomicAdd(my + (key >> H_SHIFT), 1u);
+      if ((key >> H_SHIFT) >= lo) atomicAdd(my + (key >> H_SHIFT), 1u);
     }
   }
   if (bad) atomicOr(err, bad);
@@ -139,7 +200,7 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 
   // flush the nonzero bins to the row's histogram
   u32* gh = ghist + (long long)r * H_BINS;
-  for (int b = tid; b < H_BINS; b += H_THREADS) {
+  for (int b = (int)lo + tid; b < H_BINS; b += H_THREADS) {
     u32 v = 0;
 #pragma unroll
     for (int cp = 0; cp < H_COPIES; ++cp) v += hist[cp * H_PAD + b];
@@ -174,8 +235,8 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 
 #define HIST_ARGS                                                                                      \
   long long row_stride, int V, int C, u32 *ghist, unsigned short *group_bin, float *chunk_max, double *chunk_sum, \
-      int *err
-#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, err
+      const int *row_bound, int *err
+#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, row_bound, err
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
   hist_pass<unsigned short, 8>(logits, HIST_PASS);
