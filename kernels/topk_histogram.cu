@@ -150,13 +150,46 @@ extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_f32_v1(const
 // pass 1: histogram (bins >= row_bound) + logsumexp partial + per-group max bin
 // ---------------------------------------------------------------------------------------------------
 
+// hist_pass's per-element work, with the column bound check compiled out for full chunks (FULL): the key's
+// running max and min (the chunk max and the error screen come from them) and the histogram count.
+template <typename T, int VEC, bool FULL>
+__device__ __forceinline__ void count_keys(const u32 (&raw)[Packed<T>::words], int n, u32 lo, u32* my, u32& kmax,
+                                           u32& kmin) {
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e) {
+    if (FULL || group_col<VEC>(e) < n) {
+      const u32 key = float_key(elem_float(raw, e, T()));
+      kmax = max(kmax, key);
+      kmin = min(kmin, key);
+      if ((key >> H_SHIFT) >= lo) atomicAdd(my + (key >> H_SHIFT), 1u);
+    }
+  }
+}
+
+// sum of exp(x - M) over the thread's columns: x - M correctly rounded, exp by ex2.approx of (x - M) * log2(e)
+// (__expf: relative error <= (2 + 1.17 |x - M|) ulp, so the terms that carry the sum are within a few ulp),
+// groups of 4 summed in fp32, groups summed in float64.
+template <typename T, int VEC, bool FULL>
+__device__ __forceinline__ double exp_sum(const u32 (&raw)[Packed<T>::words], int n, float M) {
+  double s = 0.0;
+#pragma unroll
+  for (int g = 0; g < H_ELEMS; g += 4) {
+    float q = 0.f;
+#pragma unroll
+    for (int e = g; e < g + 4; ++e)
+      if (FULL || group_col<VEC>(e) < n) q = __fadd_rn(q, __expf(__fsub_rn(elem_float(raw, e, T()), M)));
+    s = __dadd_rn(s, (double)q);
+  }
+  return s;
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
                                           const int* __restrict__ row_bound, int* __restrict__ err) {
   __shared__ u32 hist[H_COPIES * H_PAD];
-  __shared__ float fscratch[H_THREADS / 32];
+  __shared__ u32 kscratch[H_THREADS / 32];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x / C, c = blockIdx.x % C;
@@ -173,30 +206,29 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   __syncthreads();
 
   u32* my = hist + (lane & (H_COPIES - 1)) * H_PAD;
-  float m = -INFINITY;
-  u32 gmax = 0;
-  int bad = 0;
+  // keys are monotone in the value: the largest key is the max (-0.0 already folded onto +0.0); a +inf or
+  // positive NaN has a key >= float_key(+inf), a negative NaN one below float_key(-inf)
+  const u32 KEY_NEG_INF = 0x007fffffu, KEY_POS_INF = 0xff800000u;
+  u32 kmax = KEY_NEG_INF, kmin = 0xffffffffu;
+  if (n == H_COLS) count_keys<T, VEC, true>(raw, n, lo, my, kmax, kmin);
+  else count_keys<T, VEC, false>(raw, n, lo, my, kmax, kmin);
+  if (kmax >= KEY_POS_INF || kmin < KEY_NEG_INF) {  // rare: name the bad values exactly
+    int bad = 0;
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e) {
-    if (group_col<VEC>(e) < n) {
+    for (int e = 0; e < H_ELEMS; ++e) {
       const float f = elem_float(raw, e, T());
-      const u32 key = float_key(f);
-      if (f != f) bad |= ERR_NAN;
-      else if (f == INFINITY) bad |= ERR_POSINF;
-      m = fmaxf(m, f);
-      gmax = max(gmax, key >> H_SHIFT);
-      if ((key >> H_SHIFT) >= lo) atomicAdd(my + (key >> H_SHIFT), 1u);
+      if (group_col<VEC>(e) < n) bad |= f != f ? ERR_NAN : (f == INFINITY ? ERR_POSINF : 0);
     }
+    if (bad) atomicOr(err, bad);
   }
-  if (bad) atomicOr(err, bad);
-  group_bin[(long long)blockIdx.x * H_THREADS + tid] = (unsigned short)gmax;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) fscratch[warp] = m;
+  group_bin[(long long)blockIdx.x * H_THREADS + tid] = group_col<VEC>(0) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;
+  const u32 wmax = __reduce_max_sync(0xffffffffu, kmax);
+  if (lane == 0) kscratch[warp] = wmax;
   __syncthreads();  // also orders the histogram atomics before the flush
-  float M = fscratch[0];
+  u32 bmax = kscratch[0];
 #pragma unroll
-  for (int w = 1; w < H_THREADS / 32; ++w) M = fmaxf(M, fscratch[w]);
+  for (int w = 1; w < H_THREADS / 32; ++w) bmax = max(bmax, kscratch[w]);
+  const float M = key_float(bmax);  // -inf for a chunk of -inf only; NaN / +inf only with the error flag set
 
   // flush the nonzero bins to the row's histogram
   u32* gh = ghist + (long long)r * H_BINS;
@@ -207,19 +239,8 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     if (v) atomicAdd(gh + b, v);
   }
 
-  // logsumexp partial: exp(x - M) in fp32 (x - M correctly rounded), groups of 4 summed in fp32 (<= 2 ulp),
-  // groups summed in float64
   double s = 0.0;
-  if (M != -INFINITY) {
-#pragma unroll
-    for (int g = 0; g < H_ELEMS; g += 4) {
-      float q = 0.f;
-#pragma unroll
-      for (int e = g; e < g + 4; ++e)
-        if (group_col<VEC>(e) < n) q = __fadd_rn(q, expf(__fsub_rn(elem_float(raw, e, T()), M)));
-      s = __dadd_rn(s, (double)q);
-    }
-  }
+  if (M != -INFINITY) s = n == H_COLS ? exp_sum<T, VEC, true>(raw, n, M) : exp_sum<T, VEC, false>(raw, n, M);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
   if (lane == 0) dscratch[warp] = s;
