@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Top-K + lse pipelines on the H200: exactness tests (tree construction file + boundary), A/B timings of the
-# top-K stage (histogram vs cut pipeline vs AB_VARIANT / AB_VARIANT2, by default the histogram pipeline
-# without its sample bound and with two shared histogram copies, and vs AB_OLD, a module path of an older
-# launcher when given; graph replay + eager), and
-# the round at budget 64 with the CPU path for each pipeline (SGLANG_KDTREE_TOPK_IMPL). Logs land in $OUT.
+# top-K stage (histogram vs cut pipeline, plus an NVRTC option set AB_VARIANT and an older launcher module
+# AB_OLD when given; graph replay + eager), and the round at budget 64 with the CPU path for each pipeline
+# (SGLANG_KDTREE_TOPK_IMPL). Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -13,7 +12,7 @@ timeout "${TEST_TIMEOUT:-85}" python3 -m pytest -q -p no:cacheprovider tests/gpu
   tests/test_tree_gpu_boundary.py > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 grep -E "passed|failed|Error|error|assert" "$OUT/tests.log" | tail -25
 timeout "${AB_TIMEOUT:-50}" python3 benchmarks/topk_ab.py --impls histogram cut \
-  --variant="${AB_VARIANT:--DHIST_NO_BOUND}" --variant="${AB_VARIANT2:--DHIST_COPIES=2}" ${AB_OLD:+--old "$AB_OLD"} --json "$OUT/topk_ab.json" > "$OUT/topk_ab.log" 2>&1
+  ${AB_VARIANT:+--variant="$AB_VARIANT"} ${AB_OLD:+--old "$AB_OLD"} --json "$OUT/topk_ab.json" > "$OUT/topk_ab.log" 2>&1
 echo "topk_ab rc=$?"; grep -v '^{' "$OUT/topk_ab.log" | tail -20
 for impl in histogram cut; do
   SGLANG_KDTREE_TOPK_IMPL=$impl timeout "${BENCH_TIMEOUT:-22}" python3 -m sglang_kdtree.bench_gpu --batches 32 \

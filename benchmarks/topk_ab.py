@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512])
     p.add_argument("--impls", nargs="+", default=["histogram", "cut"], help="topk.IMPL pipelines to time")
     p.add_argument("--old", default=None, help="module path of an older topk launcher to compare")
-    p.add_argument("--variant", action="append", default=[], help="extra NVRTC option set (space-separated) for the first impl's kernel, "
-                   "e.g. '-DHIST_NO_BOUND -DHIST_COPIES=2' (the histogram pipeline before its sample bound)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="extra NVRTC option set (space-separated) for the first impl's kernel, e.g. -DCHUNK_MIN_BLOCKS=2")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     old = None

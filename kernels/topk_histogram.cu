@@ -1,32 +1,23 @@
 // Per-row top-K + logsumexp over a drafter's vocabulary, exact (ties: lower token id first), by streaming
 // histograms instead of per-chunk selection.
 //
-// Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Five
-// launches, all on fixed preallocated workspaces (graph-capturable):
+// Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Two
+// launches, both on fixed preallocated workspaces (graph-capturable):
 //
-//   hist_sample grid (R), 256 threads. The row's first 8192 columns (a sample: the vocabulary order says
-//               nothing about the values): the bin of the sample's K-th largest key, `row_bound`. At least K
-//               keys of the row lie in bins >= row_bound, so the row's boundary bin b* (below) is >= it and
-//               no key under it can be a winner or move b*: hist_pass need not count them.
 //   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per element the
-//               order-preserving key; a block histogram of the key's top 12 bits in shared memory, of the
-//               keys in bins >= row_bound only (on peaked logits almost every key sits in a few hot bins far
-//               below the winners: counting them made the lanes of a warp collide on the same shared
-//               address), flushed to the row's global histogram with one atomic per nonzero bin; the chunk's
-//               (max, sum exp(x - max)) for the logsumexp; and per thread the largest bin among its 32
-//               columns (`group_bin`), so the collect pass can skip groups with nothing to give.
-//   hist_bound  grid (R), 256 threads. Scans the row's histogram from the top to the boundary bin b* where
-//               the count reaches K (every winner has bin >= b*; the counts of bins >= row_bound are exact),
-//               and zeroes the histogram for the next call.
-//               If the candidates (bin >= b*) exceed the row's candidate capacity (heavy ties), the row is
-//               marked for the exact whole-row select in hist_select instead.
-//   hist_collect grid (R * C), 256 threads. Re-reads only the 32-column groups whose largest bin is >= b*
-//               (at bs 8 the logits still sit in L2) and appends every column with bin >= b* to the row's
-//               candidate buffer as a (key << 32 | ~id) composite, one atomic per warp.
-//   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64), an exact radix select of
-//               the K largest composites (a strict total order that carries the tie rule, so candidate order
-//               does not matter), a bitonic sort of the winners, the outputs, and the row counter reset.
-//               Rows marked in hist_bound run the same select with the row itself as the source.
+//               order-preserving key (its running max gives the chunk max, its max and min screen for NaN /
+//               +inf); a block histogram of the key's top 12 bits in shared memory, flushed to the row's
+//               global histogram with one atomic per nonzero bin; the chunk's (max, sum exp(x - max)) for
+//               the logsumexp; and per thread the largest bin among its 32 columns (`group_bin`), so the
+//               select can visit only the groups with something to give.
+//   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64); the boundary bin b*
+//               where the row histogram's count from the top reaches K (every winner has bin >= b*; the
+//               histogram is zeroed for the next call); the candidates (every column with bin >= b*),
+//               gathered from the groups whose largest bin is >= b* into shared memory (or the row's global
+//               buffer when more than S_CACHE); an exact radix select of the K largest (key << 32 | ~id)
+//               composites (a strict total order that carries the tie rule, so candidate order does not
+//               matter), a bitonic sort of the winners and the outputs. A row with more than `cap`
+//               candidates (heavy ties around the K-th value) runs the same select over the row itself.
 //
 // Errors go to the int32 flag with the bits of topk_logsumexp.cu (NaN 1, +inf 2, dead row 4).
 
@@ -38,12 +29,8 @@
 #define H_BITS 12                          // histogram bins: the key's top 12 bits
 #define H_BINS (1 << H_BITS)
 #define H_SHIFT (32 - H_BITS)
-#ifndef HIST_COPIES
-#define HIST_COPIES 1                      // lane-interleaved shared histogram copies (2 halves hot-bin collisions)
-#endif
-#define H_COPIES HIST_COPIES
-#define H_PAD (H_BINS + 1)                 // copy stride: the same bin of two copies sits in different banks
 #define S_THREADS 256
+static_assert(S_THREADS == H_THREADS, "boundary_bin splits the histogram over the select block's threads");
 #define S_CACHE 2048                       // candidates staged in shared memory when they fit (16 KiB)
 
 template <typename T> struct HistCfg;
@@ -63,13 +50,14 @@ __device__ __forceinline__ float elem_float(const u32* w, int e, unsigned short)
 }
 __device__ __forceinline__ float elem_float(const u32* w, int e, float) { return __uint_as_float(w[e]); }
 
+// Loads group t of a chunk (thread t's columns; see group_col) into w; columns >= n read as 0.
 template <typename T, int VEC>
-__device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words]) {
+__device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words], int t) {
   constexpr int NV = H_ELEMS / VEC;
   constexpr int WPV = VEC * (int)sizeof(T) / 4;  // words per vector load (VEC > 1)
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int col0 = (j * H_THREADS + (int)threadIdx.x) * VEC;
+    const int col0 = (j * H_THREADS + t) * VEC;
     if (VEC > 1 && col0 + VEC <= n) {
       const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + col0));  // launcher guarantees alignment
       w[j * WPV] = q.x;
@@ -93,75 +81,26 @@ __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32
 }
 
 template <int VEC>
-__device__ __forceinline__ int group_col(int e) {
-  return ((e / VEC) * H_THREADS + (int)threadIdx.x) * VEC + (e % VEC);
+__device__ __forceinline__ int group_col(int e, int t) {
+  return ((e / VEC) * H_THREADS + t) * VEC + (e % VEC);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// pass 0: a lower bound of the boundary bin from the row's first chunk
-// ---------------------------------------------------------------------------------------------------
-
-template <typename T, int VEC>
-__device__ __forceinline__ void hist_sample(const T* __restrict__ logits, long long row_stride, int V, int K,
-                                            int* __restrict__ row_bound) {
-  __shared__ u32 hist[H_BINS];
-  __shared__ u32 scratch[32];
-  __shared__ u32 sel[3];
-  const int tid = threadIdx.x, r = blockIdx.x;
-  const int n = min(H_COLS, V);
-  const u32 want = (u32)min(K, V);
-#ifdef HIST_NO_BOUND  // A/B switch: count every key (the pipeline before the bound)
-  if (tid == 0) row_bound[r] = 0;
-  return;
-#endif
-  if ((u32)n < want) {  // fewer sampled keys than K: no bound
-    if (tid == 0) row_bound[r] = 0;
-    return;
-  }
-  u32 raw[Packed<T>::words];
-  load_group<T, VEC>(logits + (long long)r * row_stride, n, raw);
-  for (int b = tid; b < H_BINS; b += H_THREADS) hist[b] = 0u;
-  __syncthreads();
-#pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e)
-    if (group_col<VEC>(e) < n) atomicAdd(hist + (float_key(elem_float(raw, e, T())) >> H_SHIFT), 1u);
-  __syncthreads();
-  find_bucket<H_THREADS>(hist, H_BINS, want, scratch, sel);  // the sample's K-th largest key is in bin sel[0]
-  if (tid == 0) row_bound[r] = (int)sel[0];
-}
-
-#define SAMPLE_ARGS long long row_stride, int V, int K, int *row_bound
-#define SAMPLE_PASS row_stride, V, K, row_bound
-
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_bf16_v8(const unsigned short* logits, SAMPLE_ARGS) {
-  hist_sample<unsigned short, 8>(logits, SAMPLE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_bf16_v1(const unsigned short* logits, SAMPLE_ARGS) {
-  hist_sample<unsigned short, 1>(logits, SAMPLE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_f32_v4(const float* logits, SAMPLE_ARGS) {
-  hist_sample<float, 4>(logits, SAMPLE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_sample_f32_v1(const float* logits, SAMPLE_ARGS) {
-  hist_sample<float, 1>(logits, SAMPLE_PASS);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// pass 1: histogram (bins >= row_bound) + logsumexp partial + per-group max bin
+// pass 1: histogram + logsumexp partial + per-group max bin
 // ---------------------------------------------------------------------------------------------------
 
 // hist_pass's per-element work, with the column bound check compiled out for full chunks (FULL): the key's
 // running max and min (the chunk max and the error screen come from them) and the histogram count.
 template <typename T, int VEC, bool FULL>
-__device__ __forceinline__ void count_keys(const u32 (&raw)[Packed<T>::words], int n, u32 lo, u32* my, u32& kmax,
+__device__ __forceinline__ void count_keys(const u32 (&raw)[Packed<T>::words], int n, u32* hist, u32& kmax,
                                            u32& kmin) {
 #pragma unroll
   for (int e = 0; e < H_ELEMS; ++e) {
-    if (FULL || group_col<VEC>(e) < n) {
+    if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
       const u32 key = float_key(elem_float(raw, e, T()));
       kmax = max(kmax, key);
       kmin = min(kmin, key);
-      if ((key >> H_SHIFT) >= lo) atomicAdd(my + (key >> H_SHIFT), 1u);
+      atomicAdd(hist + (key >> H_SHIFT), 1u);
     }
   }
 }
@@ -177,18 +116,23 @@ __device__ __forceinline__ double exp_sum(const u32 (&raw)[Packed<T>::words], in
     float q = 0.f;
 #pragma unroll
     for (int e = g; e < g + 4; ++e)
-      if (FULL || group_col<VEC>(e) < n) q = __fadd_rn(q, __expf(__fsub_rn(elem_float(raw, e, T()), M)));
+      if (FULL || group_col<VEC>(e, threadIdx.x) < n) q = __fadd_rn(q, __expf(__fsub_rn(elem_float(raw, e, T()), M)));
     s = __dadd_rn(s, (double)q);
   }
   return s;
 }
 
+// keys are monotone in the value: the largest key is the max (-0.0 already folded onto +0.0); a +inf or
+// positive NaN has a key >= KEY_POS_INF, a negative NaN one below KEY_NEG_INF
+#define KEY_NEG_INF 0x007fffffu
+#define KEY_POS_INF 0xff800000u
+
 template <typename T, int VEC>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
-                                          const int* __restrict__ row_bound, int* __restrict__ err) {
-  __shared__ u32 hist[H_COPIES * H_PAD];
+                                          int* __restrict__ err) {
+  __shared__ u32 hist[H_BINS];
   __shared__ u32 kscratch[H_THREADS / 32];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -197,31 +141,24 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   const int n = min(H_COLS, V - start);
   const T* row = logits + (long long)r * row_stride + start;
 
-  const u32 lo = (u32)row_bound[r];  // keys in bins < lo are not counted (see hist_sample)
   u32 raw[Packed<T>::words];
-  load_group<T, VEC>(row, n, raw);  // issued before the zeroing so the loads are in flight meanwhile
-#pragma unroll
-  for (int cp = 0; cp < H_COPIES; ++cp)
-    for (int b = (int)lo + tid; b < H_BINS; b += H_THREADS) hist[cp * H_PAD + b] = 0u;
+  load_group<T, VEC>(row, n, raw, tid);  // issued before the zeroing so the loads are in flight meanwhile
+  for (int b = tid; b < H_BINS; b += H_THREADS) hist[b] = 0u;
   __syncthreads();
 
-  u32* my = hist + (lane & (H_COPIES - 1)) * H_PAD;
-  // keys are monotone in the value: the largest key is the max (-0.0 already folded onto +0.0); a +inf or
-  // positive NaN has a key >= float_key(+inf), a negative NaN one below float_key(-inf)
-  const u32 KEY_NEG_INF = 0x007fffffu, KEY_POS_INF = 0xff800000u;
   u32 kmax = KEY_NEG_INF, kmin = 0xffffffffu;
-  if (n == H_COLS) count_keys<T, VEC, true>(raw, n, lo, my, kmax, kmin);
-  else count_keys<T, VEC, false>(raw, n, lo, my, kmax, kmin);
+  if (n == H_COLS) count_keys<T, VEC, true>(raw, n, hist, kmax, kmin);
+  else count_keys<T, VEC, false>(raw, n, hist, kmax, kmin);
   if (kmax >= KEY_POS_INF || kmin < KEY_NEG_INF) {  // rare: name the bad values exactly
     int bad = 0;
 #pragma unroll
     for (int e = 0; e < H_ELEMS; ++e) {
       const float f = elem_float(raw, e, T());
-      if (group_col<VEC>(e) < n) bad |= f != f ? ERR_NAN : (f == INFINITY ? ERR_POSINF : 0);
+      if (group_col<VEC>(e, tid) < n) bad |= f != f ? ERR_NAN : (f == INFINITY ? ERR_POSINF : 0);
     }
     if (bad) atomicOr(err, bad);
   }
-  group_bin[(long long)blockIdx.x * H_THREADS + tid] = group_col<VEC>(0) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;
+  group_bin[(long long)blockIdx.x * H_THREADS + tid] = group_col<VEC>(0, tid) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;
   const u32 wmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) kscratch[warp] = wmax;
   __syncthreads();  // also orders the histogram atomics before the flush
@@ -232,10 +169,8 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 
   // flush the nonzero bins to the row's histogram
   u32* gh = ghist + (long long)r * H_BINS;
-  for (int b = (int)lo + tid; b < H_BINS; b += H_THREADS) {
-    u32 v = 0;
-#pragma unroll
-    for (int cp = 0; cp < H_COPIES; ++cp) v += hist[cp * H_PAD + b];
+  for (int b = tid; b < H_BINS; b += H_THREADS) {
+    const u32 v = hist[b];
     if (v) atomicAdd(gh + b, v);
   }
 
@@ -256,8 +191,8 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 
 #define HIST_ARGS                                                                                      \
   long long row_stride, int V, int C, u32 *ghist, unsigned short *group_bin, float *chunk_max, double *chunk_sum, \
-      const int *row_bound, int *err
-#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, row_bound, err
+      int *err
+#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, err
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
   hist_pass<unsigned short, 8>(logits, HIST_PASS);
@@ -270,123 +205,6 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v4(cons
 }
 extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v1(const float* logits, HIST_ARGS) {
   hist_pass<float, 1>(logits, HIST_PASS);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// pass B: boundary bin per row
-// ---------------------------------------------------------------------------------------------------
-
-// row_sel[r] = b* when the row's candidates (bins >= b*) fit `cap`, else -1 (whole-row select).
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_bound(u32* ghist, int V, int K, int cap, int* row_sel) {
-  __shared__ u32 scratch[32];
-  __shared__ u32 sel[3];
-  constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
-  const int tid = threadIdx.x, r = blockIdx.x;
-  const u32 want = (u32)min(K, V);
-  // thread 0 owns the top bins: bins base .. base + PER - 1 with base = (H_THREADS - 1 - tid) * PER
-  const int base = (H_THREADS - 1 - tid) * PER;
-  uint4* gh = reinterpret_cast<uint4*>(ghist + (long long)r * H_BINS + base);
-  u32 h[PER];
-#pragma unroll
-  for (int q = 0; q < PER / 4; ++q) {
-    const uint4 w = gh[q];
-    h[4 * q] = w.x; h[4 * q + 1] = w.y; h[4 * q + 2] = w.z; h[4 * q + 3] = w.w;
-  }
-#pragma unroll
-  for (int q = 0; q < PER / 4; ++q) gh[q] = make_uint4(0u, 0u, 0u, 0u);  // clean for the next call
-  u32 s = 0;
-#pragma unroll
-  for (int i = 0; i < PER; ++i) s += h[i];
-  if (tid == 0) sel[0] = 0xffffffffu;
-  u32 total;
-  const u32 before = block_exclusive_scan<H_THREADS>(s, scratch, &total);
-  if (before < want && want <= before + s) {
-    u32 acc = before;
-#pragma unroll
-    for (int i = PER - 1; i >= 0; --i) {
-      if (acc < want && acc + h[i] >= want) {
-        sel[0] = (u32)(base + i);
-        sel[1] = acc;
-        sel[2] = h[i];
-      }
-      acc += h[i];
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    const u32 b = sel[0];
-    row_sel[r] = (b != 0xffffffffu && (unsigned long long)sel[1] + sel[2] <= (unsigned long long)cap) ? (int)b : -1;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// pass C: collect the candidates (bin >= b*)
-// ---------------------------------------------------------------------------------------------------
-
-template <typename T, int VEC>
-__device__ __forceinline__ void hist_collect(const T* __restrict__ logits, long long row_stride, int V, int C,
-                                             const unsigned short* __restrict__ group_bin,
-                                             const int* __restrict__ row_sel, long long cap, u64* __restrict__ cands,
-                                             int* __restrict__ row_count) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int r = blockIdx.x / C, c = blockIdx.x % C;
-  const int bsel = row_sel[r];
-  if (bsel < 0) return;  // whole block: the row is selected from the logits in hist_select
-  const bool live = (int)group_bin[(long long)blockIdx.x * H_THREADS + tid] >= bsel;
-  if (!__any_sync(0xffffffffu, live)) return;  // warp-uniform
-  const int start = c * H_COLS;
-  const int n = min(H_COLS, V - start);
-  const T* row = logits + (long long)r * row_stride + start;
-  const u32 cut = (u32)bsel << H_SHIFT;
-
-  u32 raw[Packed<T>::words];
-  u32 cnt = 0;
-  if (live) {
-    load_group<T, VEC>(row, n, raw);
-#pragma unroll
-    for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e) < n && float_key(elem_float(raw, e, T())) >= cut;
-  }
-  u32 incl = cnt;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  const u32 wtotal = __shfl_sync(0xffffffffu, incl, 31);
-  if (wtotal == 0) return;
-  u32 wbase = 0;
-  if (lane == 31) wbase = (u32)atomicAdd(row_count + r, (int)wtotal);
-  wbase = __shfl_sync(0xffffffffu, wbase, 31);
-  if (cnt == 0) return;
-  u32 pos = wbase + incl - cnt;
-  u64* out = cands + (long long)r * cap;
-#pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e) {
-    const int col = group_col<VEC>(e);
-    const u32 key = float_key(elem_float(raw, e, T()));
-    if (col < n && key >= cut) {
-      if ((long long)pos < cap) out[pos] = composite(key, (u32)(start + col));  // never out of range
-      ++pos;
-    }
-  }
-}
-
-#define COLLECT_ARGS                                                                                       \
-  long long row_stride, int V, int C, const unsigned short *group_bin, const int *row_sel, long long cap, \
-      u64 *cands, int *row_count
-#define COLLECT_PASS row_stride, V, C, group_bin, row_sel, cap, cands, row_count
-
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_bf16_v8(const unsigned short* logits, COLLECT_ARGS) {
-  hist_collect<unsigned short, 8>(logits, COLLECT_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_bf16_v1(const unsigned short* logits, COLLECT_ARGS) {
-  hist_collect<unsigned short, 1>(logits, COLLECT_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_f32_v4(const float* logits, COLLECT_ARGS) {
-  hist_collect<float, 4>(logits, COLLECT_PASS);
-}
-extern "C" __global__ void __launch_bounds__(H_THREADS) hist_collect_f32_v1(const float* logits, COLLECT_ARGS) {
-  hist_collect<float, 1>(logits, COLLECT_PASS);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -449,11 +267,79 @@ __device__ __forceinline__ int select_sorted(const Src& src, int items, u32 want
   return got;
 }
 
+// The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
+// the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
+// row holds fewer than `want` keys. Thread tid owns bins (H_THREADS - 1 - tid) * PER .. + PER - 1.
+__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel) {
+  constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
+  const int tid = threadIdx.x;
+  const int base = (H_THREADS - 1 - tid) * PER;
+  uint4* q4 = reinterpret_cast<uint4*>(gh + base);
+  u32 h[PER];
+#pragma unroll
+  for (int q = 0; q < PER / 4; ++q) {
+    const uint4 w = q4[q];
+    h[4 * q] = w.x; h[4 * q + 1] = w.y; h[4 * q + 2] = w.z; h[4 * q + 3] = w.w;
+  }
+#pragma unroll
+  for (int q = 0; q < PER / 4; ++q) q4[q] = make_uint4(0u, 0u, 0u, 0u);  // clean for the next call
+  u32 s = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) s += h[i];
+  if (tid == 0) sel[0] = 0xffffffffu;
+  u32 total;
+  const u32 before = block_exclusive_scan<H_THREADS>(s, scratch, &total);
+  if (before < want && want <= before + s) {
+    u32 acc = before;
+#pragma unroll
+    for (int i = PER - 1; i >= 0; --i) {
+      if (acc < want && acc + h[i] >= want) {
+        sel[0] = (u32)(base + i);
+        sel[1] = acc;
+        sel[2] = h[i];
+      }
+      acc += h[i];
+    }
+  }
+  __syncthreads();
+}
+
+// Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
+// 32-column groups whose largest bin (hist_pass's group_bin) reaches bsel. Returns the number appended.
+template <typename T, int VEC>
+__device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
+                                                 const unsigned short* __restrict__ gbin, u32 bsel, u64* dst, int cap,
+                                                 u32* cursor) {
+  const u32 cut = bsel << H_SHIFT;
+  for (int g = threadIdx.x; g < C * H_THREADS; g += S_THREADS) {
+    if ((u32)gbin[g] < bsel) continue;
+    const int t = g % H_THREADS, start = (g / H_THREADS) * H_COLS;
+    const int n = min(H_COLS, V - start);
+    u32 raw[Packed<T>::words];
+    load_group<T, VEC>(row + start, n, raw, t);
+    u32 cnt = 0;
+#pragma unroll
+    for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e, t) < n && float_key(elem_float(raw, e, T())) >= cut;
+    u32 pos = atomicAdd(cursor, cnt);
+#pragma unroll
+    for (int e = 0; e < H_ELEMS; ++e) {
+      const int col = group_col<VEC>(e, t);
+      const u32 key = float_key(elem_float(raw, e, T()));
+      if (col < n && key >= cut) {
+        if (pos < (u32)cap) dst[pos] = composite(key, (u32)(start + col));  // never out of range
+        ++pos;
+      }
+    }
+  }
+  __syncthreads();
+  return (int)min(*cursor, (u32)cap);
+}
+
 // MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials).
-template <typename T, int MODE>
+template <typename T, int VEC, int MODE>
 __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
-                                            const int* __restrict__ row_sel, const u64* __restrict__ cands,
-                                            long long cap, int* __restrict__ row_count,
+                                            u32* __restrict__ ghist, const unsigned short* __restrict__ group_bin,
+                                            u64* __restrict__ cands, long long cap,
                                             const float* __restrict__ chunk_max,
                                             const double* __restrict__ chunk_sum, float* __restrict__ out_vals,
                                             long long* __restrict__ out_ids, double* __restrict__ out_lse,
@@ -464,11 +350,11 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   __shared__ u32 sel[3];
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
-  __shared__ u32 n_win;
+  __shared__ u32 n_win, cursor;
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
-  if (tid == 0) n_win = 0;
+  if (tid == 0) n_win = cursor = 0;
 
   float m = -INFINITY;
   for (int c = tid; c < C; c += S_THREADS) m = fmaxf(m, chunk_max[r * C + c]);
@@ -483,22 +369,18 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   const double lse = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
   if (MODE == 0 && M == -INFINITY && tid == 0) atomicOr(err, ERR_DEAD_ROW);
 
-  const int bsel = row_sel[r];
-  int got;
-  if (bsel >= 0) {
-    const int items = (int)min((long long)row_count[r], cap);
-    const u64* src = cands + (long long)r * cap;
-    if (items <= S_CACHE) {
-      for (int t = tid; t < items; t += S_THREADS) cache[t] = src[t];
-      __syncthreads();
-      src = cache;
-    }
-    got = select_sorted(CandSource{src}, items, (u32)min(kout, items), kout, hw, scratch, sel, &n_win);
+  const T* row = logits + (long long)r * row_stride;
+  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel);
+  const u32 bsel = sel[0];
+  const unsigned long long items = (unsigned long long)sel[1] + sel[2];  // keys with bin >= b*
+  if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
+    u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
+    const int got = gather_candidates<T, VEC>(row, V, C, group_bin + (long long)r * C * H_THREADS, bsel, dst,
+                                              items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
+    select_sorted(CandSource{dst}, got, (u32)min(kout, got), kout, hw, scratch, sel, &n_win);
   } else {
-    got = select_sorted(RowSource<T>{logits + (long long)r * row_stride}, V, (u32)kout, kout, hw, scratch, sel,
-                        &n_win);
+    select_sorted(RowSource<T>{row}, V, (u32)kout, kout, hw, scratch, sel, &n_win);
   }
-  (void)got;
   for (int i = tid; i < kout; i += S_THREADS) {
     const u64 w = hw[i];
     const float f = key_float((u32)(w >> 32));
@@ -511,32 +393,24 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
       out_ids[(long long)r * kout + i] = id + id_offset;
     }
   }
-  if (tid == 0) {
-    if (MODE == 1) out_lse[r] = lse;
-    row_count[r] = 0;  // read by every thread before the select's barriers
-  }
+  if (MODE == 1 && tid == 0) out_lse[r] = lse;
 }
 
 #define SELECT_ARGS                                                                                         \
-  long long row_stride, int V, int K, int C, const int *row_sel, const u64 *cands, long long cap, int *row_count, \
-      const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
-#define SELECT_PASS row_stride, V, K, C, row_sel, cands, cap, row_count, chunk_max, chunk_sum, out_vals, out_ids
+  long long row_stride, int V, int K, int C, u32 *ghist, const unsigned short *group_bin, u64 *cands,          \
+      long long cap, const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
+#define SELECT_PASS row_stride, V, K, C, ghist, group_bin, cands, cap, chunk_max, chunk_sum, out_vals, out_ids
+#define SELECT_KERNELS(SUFFIX, T, VEC)                                                                          \
+  extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_##SUFFIX(const T* logits,       \
+                                                                                       SELECT_ARGS, int* err) { \
+    hist_select<T, VEC, 0>(logits, SELECT_PASS, nullptr, 0, err);                                                \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_##SUFFIX(                       \
+      const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, int* err) {                            \
+    hist_select<T, VEC, 1>(logits, SELECT_PASS, out_lse, id_offset, err);                                        \
+  }
 
-extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_bf16(const unsigned short* logits,
-                                                                                 SELECT_ARGS, int* err) {
-  hist_select<unsigned short, 0>(logits, SELECT_PASS, nullptr, 0, err);
-}
-extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_f32(const float* logits, SELECT_ARGS,
-                                                                                int* err) {
-  hist_select<float, 0>(logits, SELECT_PASS, nullptr, 0, err);
-}
-extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_bf16(const unsigned short* logits,
-                                                                                 SELECT_ARGS, double* out_lse,
-                                                                                 long long id_offset, int* err) {
-  hist_select<unsigned short, 1>(logits, SELECT_PASS, out_lse, id_offset, err);
-}
-extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_f32(const float* logits, SELECT_ARGS,
-                                                                                double* out_lse, long long id_offset,
-                                                                                int* err) {
-  hist_select<float, 1>(logits, SELECT_PASS, out_lse, id_offset, err);
-}
+SELECT_KERNELS(bf16_v8, unsigned short, 8)
+SELECT_KERNELS(bf16_v1, unsigned short, 1)
+SELECT_KERNELS(f32_v4, float, 4)
+SELECT_KERNELS(f32_v1, float, 1)

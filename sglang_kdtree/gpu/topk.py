@@ -7,9 +7,8 @@ wording). Value errors that need the data (NaN / +inf logits, a row entirely -in
 ``error_flag`` tensor (``TOPK_ERRORS``) that the caller reads at its next natural sync
 (``raise_on_flag``); ``check=True`` syncs and raises at once (tests, debugging).
 
-Two exact pipelines (``IMPL``): "histogram" (``kernels/topk_histogram.cu``: a lower bound of the boundary
-bin from each row's first chunk, a streaming 12-bit key histogram per row of the keys above it, the boundary
-bin, a collect pass and a per-row select) and "cut" (``kernels/
+Two exact pipelines (``IMPL``): "histogram" (``kernels/topk_histogram.cu``: a streaming 12-bit key
+histogram per row, then per row the boundary bin, a gather of the candidates above it and an exact select) and "cut" (``kernels/
 topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
 
 Workspaces come from a ``TopKWorkspace`` sized for the largest rows / K / vocabulary, so a call allocates
@@ -49,7 +48,7 @@ _OPTIONS: tuple[str, ...] = ()  # extra NVRTC options (benchmarks compare -DCHUN
 #: (topk_logsumexp.cu's chunk + merge kernels). A workspace is built for one of them.
 #: SGLANG_KDTREE_TOPK_IMPL overrides the default (A/B benchmarks of whole rounds).
 IMPL = os.environ.get("SGLANG_KDTREE_TOPK_IMPL", "histogram")
-HIST_THREADS = 256  # threads of hist_pass / hist_bound / hist_collect / hist_select
+HIST_THREADS = 256  # threads of hist_pass / hist_select
 HIST_BINS = 4096  # 12-bit key histogram per row
 HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more -> whole-row exact select
 
@@ -136,13 +135,10 @@ class TopKWorkspace:
         self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_K)
         self.chunks = -(-self.vocab // CHUNK_COLS)
         if self.impl == "histogram":
-            # per row: a 12-bit key histogram (zero between calls: hist_bound clears it after reading), the
-            # sample's lower bound and the boundary bin, each 32-column group's largest bin, and HIST_CAP
-            # candidate composites
+            # per row: a 12-bit key histogram (zero between calls: hist_select clears it after reading), each
+            # 32-column group's largest bin, and HIST_CAP candidate composites (rows with more than S_CACHE)
             self.row_cap = HIST_CAP
             self.hist = torch.zeros(self.max_rows * HIST_BINS, dtype=torch.int32, device=device)
-            self.row_sel = torch.empty(self.max_rows, dtype=torch.int32, device=device)
-            self.row_bound = torch.empty(self.max_rows, dtype=torch.int32, device=device)  # hist_sample's bound
             self.group_bin = torch.empty(self.max_rows * self.chunks * HIST_THREADS, dtype=torch.int16, device=device)
         else:
             self.row_cap = self.chunks * candidate_allowance(self.max_k)
@@ -237,7 +233,7 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
 
 def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, out_vals, out_ids, out_lse,
                    error_flag):
-    """hist_sample -> hist_pass -> hist_bound -> hist_collect -> hist_select (see kernels/topk_histogram.cu)."""
+    """hist_pass -> hist_select (see kernels/topk_histogram.cu)."""
     import torch
 
     mod = runtime.load_module(_HIST_KERNEL, _OPTIONS)
@@ -245,32 +241,19 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     vec = 8 if bf16 else 4
     aligned = flat.data_ptr() % 16 == 0 and v % vec == 0 and (rows == 1 or row_stride % vec == 0)
     suffix = ("bf16_v" if bf16 else "f32_v") + (str(vec) if aligned else "1")
-    grid = (rows * chunks,)
     with runtime.current_stream():
-        mod.get_function("hist_sample_" + suffix)(
-            (rows,), (HIST_THREADS,), (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), _ptr(ws.row_bound))
-        )
         mod.get_function("hist_pass_" + suffix)(
-            grid, (HIST_THREADS,),
+            (rows * chunks,), (HIST_THREADS,),
             (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(chunks), _ptr(ws.hist), _ptr(ws.group_bin),
-             _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_bound), _ptr(error_flag)),
+             _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(error_flag)),
         )
-        mod.get_function("hist_bound")(
-            (rows,), (HIST_THREADS,), (_ptr(ws.hist), np.int32(v), np.int32(k), np.int32(ws.row_cap), _ptr(ws.row_sel))
-        )
-        mod.get_function("hist_collect_" + suffix)(
-            grid, (HIST_THREADS,),
-            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(chunks), _ptr(ws.group_bin), _ptr(ws.row_sel),
-             np.int64(ws.row_cap), _ptr(ws.cands), _ptr(ws.row_count)),
-        )
-        args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.row_sel),
-                _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.row_count), _ptr(ws.chunk_max), _ptr(ws.chunk_sum),
+        args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
+                _ptr(ws.group_bin), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max), _ptr(ws.chunk_sum),
                 _ptr(out_vals), _ptr(out_ids))
-        dt = "bf16" if bf16 else "f32"
         if mode == 0:
-            mod.get_function("hist_select_logprobs_" + dt)((rows,), (HIST_THREADS,), args + (_ptr(error_flag),))
+            mod.get_function("hist_select_logprobs_" + suffix)((rows,), (HIST_THREADS,), args + (_ptr(error_flag),))
         else:
-            mod.get_function("hist_select_partials_" + dt)(
+            mod.get_function("hist_select_partials_" + suffix)(
                 (rows,), (HIST_THREADS,), args + (_ptr(out_lse), np.int64(id_offset), _ptr(error_flag))
             )
 

@@ -147,49 +147,37 @@ def test_topk_adversarial_chunk_layouts(impl):
     # the counters are back at zero after every call
     assert int(ws.row_count.abs().sum()) == 0 and int(ws.row_thresh.abs().sum()) == 0
     if impl == "histogram":
-        assert int(ws.hist.abs().sum()) == 0  # hist_bound leaves the histograms clean for the next call
+        assert int(ws.hist.abs().sum()) == 0  # hist_select leaves the histograms clean for the next call
 
 
-def _key_bins(x32):
-    """numpy twin of float_key(f) >> 20 (topk_logsumexp.cu): the 12-bit histogram bin of each fp32 value."""
-    b = x32.astype(np.float32).view(np.uint32).copy()
-    b[b == 0x80000000] = 0
-    key = np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
-    return key >> 20
-
-
-@pytest.mark.parametrize("v", [100, 5000, 8192, 8193, 163840])
-def test_topk_histogram_sample_bound(v):
-    """hist_sample's row_bound equals its numpy twin (the bin of the K-th largest of the row's first 8192
-    columns) and never exceeds the row's own K-th largest bin, so hist_pass's skipped keys cannot matter;
-    the outputs stay exact on rows built against the sample (winners only outside it, the sample all
-    winners, the sample tied at the boundary)."""
+@pytest.mark.parametrize("v", [100, 5000, 8193, 163840])
+def test_topk_histogram_gather_routes(v):
+    """hist_select's candidate routes at their edges: the keys at or above the boundary bin number exactly
+    S_CACHE (gathered into shared memory), S_CACHE + 1 (the row's global buffer), or a handful; rows whose
+    last chunk is partial (groups straddling V); every K; exact ids and logprobs; histograms clean after."""
     topk, _, _ = _gpu()
     rng = np.random.default_rng(v)
-    rows = [rng.normal(0, 3, size=v).astype(np.float32) for _ in range(5)]
-    head = min(v, 8192)
-    rows[0][:head] -= 40.0                     # every winner outside the sample (when there is an outside)
-    rows[1][:head] += 40.0                     # the sample holds the winners
-    rows[2][:head] = 2.0                       # the sample is one tied value
-    rows[2][head:] = np.where(rng.random(v - head) < 0.01, 2.0, rows[2][head:])
-    rows[3] = np.round(rows[3])                # coarse grid: wide boundary bins
+    s_cache = 2048  # S_CACHE in kernels/topk_histogram.cu
+    rows = []
+    for tied in (s_cache, s_cache + 1, 3):
+        x = np.clip(rng.normal(0, 1, size=v), -3.5, 3.5).astype(np.float32)  # bins below 6.0's
+        x[rng.permutation(v)[: min(tied, v)]] = 6.0                           # one bin, tied values
+        rows.append(x)
+    rows.append(rng.normal(0, 3, size=v).astype(np.float32))
     x = np.stack(rows)
     ws = topk.TopKWorkspace(len(rows), v, 1024, "cuda", impl="histogram")
+    ws.cands.fill_(-1)
     for dt in (torch.float32, torch.bfloat16):
         t = torch.from_numpy(x).cuda().to(dt)
         xn = t.float().cpu().numpy()
-        bins = _key_bins(xn)
         for k in (1, 64, 1024):
-            ws.row_bound.fill_(-7)
             lp, ids = topk.topk_logprobs(t, k, workspace=ws, check=True)
             _check_topk(xn, k, lp, ids)
-            want = min(k, v)
-            sample_kth = np.sort(bins[:, :head], axis=1)[:, ::-1][:, want - 1]
-            row_kth = np.sort(bins, axis=1)[:, ::-1][:, want - 1]
-            got = ws.row_bound[: len(rows)].cpu().numpy()
-            np.testing.assert_array_equal(got, sample_kth)
-            assert np.all(got <= row_kth)
-    assert int(ws.row_count.abs().sum()) == 0 and int(ws.hist.abs().sum()) == 0
+            vals, sid, lse = topk.shard_topk_partials(t, k, 7, workspace=ws, check=True)
+            rv, ri, rl = ref.shard_topk_partials(xn, k, 7)
+            np.testing.assert_array_equal(sid.cpu().numpy(), ri)
+            np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+    assert int(ws.hist.abs().sum()) == 0
 
 
 def test_topk_histogram_boundary_bin_capacity():
