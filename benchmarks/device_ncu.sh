@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 BS=${BS:-32}; K=${K:-64}; IMPL=${IMPL:-histogram}
-per_call=5; [ "$IMPL" = cut ] && per_call=2
+per_call=2  # kernels per top-K call: hist_pass + hist_select, or topk_chunk + topk_merge
 timeout 240 ncu --kernel-name "regex:^(hist_|topk_)" --launch-skip $((2 * per_call)) --launch-count "$per_call" \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   python3 benchmarks/profile_topk.py --bs "$BS" --k "$K" --impl "$IMPL" > "$OUT/ncu_${IMPL}_${BS}_${K}.txt" 2>&1
