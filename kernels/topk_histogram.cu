@@ -304,31 +304,62 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
   __syncthreads();
 }
 
+// Appends the columns of group g (chunk g / H_THREADS, thread g % H_THREADS of hist_pass) whose key is >= cut.
+template <typename T, int VEC>
+__device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut, u64* dst, int cap,
+                                             u32* cursor) {
+  const int t = g % H_THREADS, start = (g / H_THREADS) * H_COLS;
+  const int n = min(H_COLS, V - start);
+  u32 raw[Packed<T>::words];
+  load_group<T, VEC>(row + start, n, raw, t);
+  u32 cnt = 0;
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e, t) < n && float_key(elem_float(raw, e, T())) >= cut;
+  u32 pos = atomicAdd(cursor, cnt);
+#pragma unroll
+  for (int e = 0; e < H_ELEMS; ++e) {
+    const int col = group_col<VEC>(e, t);
+    const u32 key = float_key(elem_float(raw, e, T()));
+    if (col < n && key >= cut) {
+      if (pos < (u32)cap) dst[pos] = composite(key, (u32)(start + col));  // never out of range
+      ++pos;
+    }
+  }
+}
+
 // Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
-// 32-column groups whose largest bin (hist_pass's group_bin) reaches bsel. Returns the number appended.
+// 32-column groups whose largest bin (hist_pass's group_bin) reaches bsel. The row's group_bin entries
+// (C * H_THREADS u16, 16-byte aligned) are read 8 at a time, GATHER_LOADS loads in flight per thread, so a
+// block waits for a handful of memory round trips rather than one per entry. Returns the number appended.
+#define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
 template <typename T, int VEC>
 __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
                                                  const unsigned short* __restrict__ gbin, u32 bsel, u64* dst, int cap,
                                                  u32* cursor) {
   const u32 cut = bsel << H_SHIFT;
-  for (int g = threadIdx.x; g < C * H_THREADS; g += S_THREADS) {
-    if ((u32)gbin[g] < bsel) continue;
-    const int t = g % H_THREADS, start = (g / H_THREADS) * H_COLS;
-    const int n = min(H_COLS, V - start);
-    u32 raw[Packed<T>::words];
-    load_group<T, VEC>(row + start, n, raw, t);
-    u32 cnt = 0;
+  const int nq = C * H_THREADS / 8;
+  const uint4* gq = reinterpret_cast<const uint4*>(gbin);
+  for (int q0 = 0; q0 < nq; q0 += GATHER_LOADS * S_THREADS) {
+    uint4 w[GATHER_LOADS];
 #pragma unroll
-    for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e, t) < n && float_key(elem_float(raw, e, T())) >= cut;
-    u32 pos = atomicAdd(cursor, cnt);
+    for (int i = 0; i < GATHER_LOADS; ++i) {
+      const int q = q0 + i * S_THREADS + (int)threadIdx.x;
+      w[i] = q < nq ? __ldg(gq + q) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    u32 live = 0;  // bit 8 i + h: entry h of load i reaches bsel
 #pragma unroll
-    for (int e = 0; e < H_ELEMS; ++e) {
-      const int col = group_col<VEC>(e, t);
-      const u32 key = float_key(elem_float(raw, e, T()));
-      if (col < n && key >= cut) {
-        if (pos < (u32)cap) dst[pos] = composite(key, (u32)(start + col));  // never out of range
-        ++pos;
-      }
+    for (int i = 0; i < GATHER_LOADS; ++i) {
+      const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+      for (int h = 0; h < 8; ++h)
+        live |= (u32)(((words[h >> 1] >> ((h & 1) * 16)) & 0xffffu) >= bsel) << (8 * i + h);
+      if (q0 + i * S_THREADS + (int)threadIdx.x >= nq) live &= ~(0xffu << (8 * i));
+    }
+    while (live) {  // one call site: the group's loads are not unrolled 32 times
+      const int b = __ffs(live) - 1;
+      live &= live - 1;
+      const int q = q0 + (b >> 3) * S_THREADS + (int)threadIdx.x;
+      gather_group<T, VEC>(row, V, q * 8 + (b & 7), cut, dst, cap, cursor);
     }
   }
   __syncthreads();
