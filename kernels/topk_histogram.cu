@@ -431,12 +431,15 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   long long row_stride, int V, int K, int C, u32 *ghist, const unsigned short *group_bin, u64 *cands,          \
       long long cap, const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
 #define SELECT_PASS row_stride, V, K, C, ghist, group_bin, cands, cap, chunk_max, chunk_sum, out_vals, out_ids
+// 4 resident blocks per SM (<= 64 registers; shared memory allows 5): one wave for up to 528 rows (bs 35 at
+// 15 depths) instead of 396 at the 80 registers the compiler picks unbounded, which left a tail wave at bs 32.
+#define SELECT_MIN_BLOCKS 4
 #define SELECT_KERNELS(SUFFIX, T, VEC)                                                                          \
-  extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_logprobs_##SUFFIX(const T* logits,       \
-                                                                                       SELECT_ARGS, int* err) { \
+  extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_logprobs_##SUFFIX(    \
+      const T* logits, SELECT_ARGS, int* err) {                                                                 \
     hist_select<T, VEC, 0>(logits, SELECT_PASS, nullptr, 0, err);                                                \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(S_THREADS) hist_select_partials_##SUFFIX(                       \
+  extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_partials_##SUFFIX(    \
       const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, int* err) {                            \
     hist_select<T, VEC, 1>(logits, SELECT_PASS, out_lse, id_offset, err);                                        \
   }
