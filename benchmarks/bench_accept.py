@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from sglang_kdtree import reference as ref
+from sglang_kdtree.bench_gpu import copy_bandwidth
 
 VOCAB = 151936
 DEPTH = 15
@@ -86,18 +87,6 @@ def maybe_graph(fn):
     except Exception as exc:  # capture is best effort; the eager number is always reported
         print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
         return None
-
-
-def hbm_bandwidth():
-    """Measured device-to-device copy bandwidth (read + write bytes / time), bytes per second."""
-    import torch
-
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    us = time_calls(lambda: y.copy_(x), iters=10)
-    del x, y
-    return 2 * n / (us * 1e-6)
 
 
 def run_case(bs, width, verify_tree_greedy, bw):
@@ -173,7 +162,7 @@ def main(argv=None):
 
     from sglang.kernels.ops.speculative.tree import verify_tree_greedy
 
-    bw = hbm_bandwidth()
+    bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     for bs in [int(x) for x in args.batches.split(",")]:

@@ -21,7 +21,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_accept import fmt, hbm_bandwidth, maybe_graph, time_calls  # noqa: E402
+from bench_accept import fmt, maybe_graph, time_calls  # noqa: E402
+
+from sglang_kdtree.bench_gpu import copy_bandwidth  # noqa: E402
 
 LAYERS = 61
 ROW = 576
@@ -93,7 +95,7 @@ def main(argv=None):
 
     from sglang_kdtree.gpu.compact import kv_layer_table
 
-    bw = hbm_bandwidth()
+    bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth {bw / 1e12:.2f} TB/s")
     pool = [torch.empty((SLOTS, 1, ROW), dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
     table = kv_layer_table(pool)

@@ -90,18 +90,6 @@ def graph_or_eager_us(fns, what: str):
         return cuda_time_us(lambda: [f() for _ in range(REPEAT) for f in fns], calls), "eager"
 
 
-def hbm_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB: (read + write bytes) / time, bytes per second."""
-    import torch
-
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    us = cuda_time_us(lambda: [dst.copy_(src) for _ in range(10)], calls=10)
-    del src, dst
-    return 2 * n / (us * 1e-6)
-
-
 def expert_bytes(K: int, N: int, group: int = 32) -> int:
     """Bytes one expert's weights occupy in the INT4 checkpoint layout: packed gate|up and down + bf16 scales."""
     return (K * 2 * N + N * K) // 2 + (K // group * 2 * N + N // group * K) * 2
@@ -378,13 +366,14 @@ def main(argv=None) -> int:
     import torch
 
     from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.bench_gpu import copy_bandwidth
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"Marlin kernels ready in {mm.ensure_marlin_kernels('bfloat16'):.1f} s", flush=True)
     device = torch.cuda.get_device_name()
-    bw = hbm_bandwidth()
+    bw = copy_bandwidth()
     print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",") if t]
     check = {int(t) for t in args.check_tokens.split(",") if t}

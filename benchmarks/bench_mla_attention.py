@@ -49,12 +49,11 @@ def _timed(fn, min_reps=3, budget_s=0.25):
 
 
 def measure_ceilings():
-    """(HBM bytes/s from a 1 GiB bf16 copy, bf16 FLOP/s from an 8192^3 matmul), medians."""
-    src = torch.randn(512 * 1024 * 1024, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = _timed(lambda: dst.copy_(src), min_reps=10)
-    bandwidth = 2 * src.numel() * 2 / (ms * 1e-3)
-    del src, dst
+    """(HBM bytes/s from a 1 GiB device copy (``bench_gpu.copy_bandwidth``), bf16 FLOP/s from an 8192^3
+    matmul), medians."""
+    from sglang_kdtree.bench_gpu import copy_bandwidth
+
+    bandwidth = copy_bandwidth()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = _timed(lambda: a @ b, min_reps=10)

@@ -387,18 +387,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   const int kout = min(K, V);
   if (tid == 0) n_win = cursor = 0;
 
-  float m = -INFINITY;
-  for (int c = tid; c < C; c += S_THREADS) m = fmaxf(m, chunk_max[r * C + c]);
-  const float M = block_max<S_THREADS>(m, fscratch);
-  double s = 0.0;
-  if (M != -INFINITY)
-    for (int c = tid; c < C; c += S_THREADS) {
-      const float mc = chunk_max[r * C + c];
-      if (mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(chunk_sum[r * C + c], exp(__dsub_rn((double)mc, (double)M))));
-    }
-  s = block_sum<S_THREADS>(s, dscratch);
-  const double lse = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
-  if (MODE == 0 && M == -INFINITY && tid == 0) atomicOr(err, ERR_DEAD_ROW);
+  const double lse = row_lse<S_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
 
   const T* row = logits + (long long)r * row_stride;
   boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel);

@@ -118,6 +118,26 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
   return s;
 }
 
+// Row r's logsumexp (float64) from its C chunk partials (chunk max, sum exp(x - chunk max)); -inf for a row
+// with no finite value, and then (MODE 0: logprobs) ERR_DEAD_ROW is set. Shared by the chunk merge and the
+// histogram select.
+template <int THREADS, int MODE>
+__device__ __forceinline__ double row_lse(const float* __restrict__ chunk_max, const double* __restrict__ chunk_sum,
+                                          int r, int C, float* fscratch, double* dscratch, int* err) {
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < C; c += THREADS) m = fmaxf(m, chunk_max[r * C + c]);
+  const float M = block_max<THREADS>(m, fscratch);
+  double s = 0.0;
+  if (M != -INFINITY)
+    for (int c = threadIdx.x; c < C; c += THREADS) {
+      const float mc = chunk_max[r * C + c];
+      if (mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(chunk_sum[r * C + c], exp(__dsub_rn((double)mc, (double)M))));
+    }
+  s = block_sum<THREADS>(s, dscratch);
+  if (MODE == 0 && M == -INFINITY && threadIdx.x == 0) atomicOr(err, ERR_DEAD_ROW);
+  return M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
+}
+
 // Given hist[nb] (bin nb-1 = largest keys), find bin d with above(d) < k <= above(d) + hist[d], where
 // above(d) = sum of the bins over d. Result in sel[0..2] = (d, above, hist[d]); ends with a barrier.
 template <int THREADS>
@@ -467,18 +487,7 @@ __device__ __forceinline__ void topk_merge(const u64* __restrict__ cands, int* _
   const int kout = min(K, V);
 
   // logsumexp of the row from the chunk partials, float64.
-  float m = -INFINITY;
-  for (int c = tid; c < C; c += MERGE_THREADS) m = fmaxf(m, chunk_max[r * C + c]);
-  const float M = block_max<MERGE_THREADS>(m, fscratch);
-  double s = 0.0;
-  if (M != -INFINITY)
-    for (int c = tid; c < C; c += MERGE_THREADS) {
-      const float mc = chunk_max[r * C + c];
-      if (mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(chunk_sum[r * C + c], exp(__dsub_rn((double)mc, (double)M))));
-    }
-  s = block_sum<MERGE_THREADS>(s, dscratch);
-  const double lse = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
-  if (MODE == 0 && M == -INFINITY && tid == 0) atomicOr(err, ERR_DEAD_ROW);
+  const double lse = row_lse<MERGE_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
 
   const int items = min(row_count[r], (int)min(row_cap, (long long)0x7fffffff));
   const u64* src = cands + (long long)r * row_cap;

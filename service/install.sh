@@ -37,18 +37,8 @@ while (($#)); do
     esac
 done
 [[ -n $env_src ]] || kdtree_die "--env-file is required (start from $here/sglang-k26-ddtree.env.example)"
-[[ -d $root ]] || kdtree_die "--root '$root' is not a directory"
-root=$(cd "$root" && pwd)
-prefix=${root%/}
+kdtree_target_root
 env_src=$(cd "$(dirname "$env_src")" && pwd)/$(basename "$env_src")
-
-use_systemctl=1
-if [[ -z ${SYSTEMCTL:-} && $root != / ]]; then
-    use_systemctl=0
-    restart=0
-    kdtree_note "--root $root without SYSTEMCTL: systemd is not called and nothing is restarted"
-fi
-read -ra systemctl_cmd <<<"${SYSTEMCTL:-systemctl}"
 
 # Managed files: source, destination (as seen by the running system), mode. The env file is 0640 because it
 # may hold an API key.

@@ -53,8 +53,6 @@ kdtree_load_env_file() {
     done <"$file"
 }
 
-# kdtree_is_uint VALUE MAX: true when VALUE is a decimal integer in 1..MAX (no leading zeros, which bash
-# arithmetic would read as octal).
 # Serialise install.sh and rollback.sh: take an exclusive lock on fd 9 in state dir $1, held until exit.
 kdtree_take_lock() {
     mkdir -p "$1"
@@ -62,6 +60,24 @@ kdtree_take_lock() {
     flock -n 9 || kdtree_die "another install.sh or rollback.sh holds $1/lock"
 }
 
+# --root handling shared by install.sh and rollback.sh. Reads root and restart; sets root (absolute), prefix
+# (root without a trailing slash, put in front of every system path), use_systemctl and restart (systemd is
+# driven only for the real root, or when SYSTEMCTL names a stand-in command) and systemctl_cmd.
+kdtree_target_root() {
+    [[ -d $root ]] || kdtree_die "--root '$root' is not a directory"
+    root=$(cd "$root" && pwd)
+    prefix=${root%/}
+    use_systemctl=1
+    if [[ -z ${SYSTEMCTL:-} && $root != / ]]; then
+        use_systemctl=0
+        restart=0
+        kdtree_note "--root $root without SYSTEMCTL: systemd is not called and nothing is restarted"
+    fi
+    read -ra systemctl_cmd <<<"${SYSTEMCTL:-systemctl}"
+}
+
+# kdtree_is_uint VALUE MAX: true when VALUE is a decimal integer in 1..MAX (no leading zeros, which bash
+# arithmetic would read as octal).
 kdtree_is_uint() {
     [[ $1 =~ ^[1-9][0-9]{0,6}$ ]] && (($1 <= $2))
 }

@@ -32,17 +32,7 @@ while (($#)); do
         *) kdtree_die "unknown option '$1' (see --help)" ;;
     esac
 done
-[[ -d $root ]] || kdtree_die "--root '$root' is not a directory"
-root=$(cd "$root" && pwd)
-prefix=${root%/}
-
-use_systemctl=1
-if [[ -z ${SYSTEMCTL:-} && $root != / ]]; then
-    use_systemctl=0
-    restart=0
-    kdtree_note "--root $root without SYSTEMCTL: systemd is not called and nothing is restarted"
-fi
-read -ra systemctl_cmd <<<"${SYSTEMCTL:-systemctl}"
+kdtree_target_root
 
 backups_dir=$prefix$KDTREE_STATE_DIR/backups
 complete_backups() {

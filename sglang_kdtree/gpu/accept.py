@@ -116,6 +116,19 @@ def _check_seq_lens(seq_lens, bs, device, required):
     return seq_lens.contiguous()
 
 
+def _check_round(trees, max_depth, seq_lens, *, sampled: bool):
+    """The checks both accept launchers start with: the trees (on CUDA), max_depth and seq_lens (required when
+    sampling). Returns (tokens, parents, num_nodes, bs, width, device, max_depth, seq_lens)."""
+    tokens, parents, num_nodes, bs, width = _check_trees(trees)
+    device = tokens.device
+    if device.type != "cuda":
+        twin = "reference.accept_sampled" if sampled else "reference.accept_greedy"
+        raise ValueError(f"trees are on {device}; the GPU accept needs CUDA tensors (use {twin} on CPU)")
+    max_depth = _check_max_depth(max_depth, width)
+    seq_lens = _check_seq_lens(seq_lens, bs, device, required=sampled)
+    return tokens, parents, num_nodes, bs, width, device, max_depth, seq_lens
+
+
 def _check_logits(target_logits, bs, width, device):
     """Accepts ``[bs*N, V]`` (SGLang's verify logits) or ``[bs, N, V]``; returns (tensor, V, row stride)."""
     import torch
@@ -197,12 +210,8 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
     import numpy as np
     import torch
 
-    tokens, parents, num_nodes, bs, width = _check_trees(trees)
-    device = tokens.device
-    if device.type != "cuda":
-        raise ValueError(f"trees are on {device}; the GPU accept needs CUDA tensors (use reference.accept_greedy on CPU)")
-    max_depth = _check_max_depth(max_depth, width)
-    seq_lens = _check_seq_lens(seq_lens, bs, device, required=False)
+    tokens, parents, num_nodes, bs, width, device, max_depth, seq_lens = _check_round(
+        trees, max_depth, seq_lens, sampled=False)
     t = target_logits
     ids = isinstance(t, torch.Tensor) and not t.is_floating_point()
     if ids:
@@ -270,12 +279,8 @@ def accept_sampled(
     import numpy as np
     import torch
 
-    tokens, parents, num_nodes, bs, width = _check_trees(trees)
-    device = tokens.device
-    if device.type != "cuda":
-        raise ValueError(f"trees are on {device}; the GPU accept needs CUDA tensors (use reference.accept_sampled on CPU)")
-    max_depth = _check_max_depth(max_depth, width)
-    seq_lens = _check_seq_lens(seq_lens, bs, device, required=True)
+    tokens, parents, num_nodes, bs, width, device, max_depth, seq_lens = _check_round(
+        trees, max_depth, seq_lens, sampled=True)
     t, vocab, ld = _check_logits(target_logits, bs, width, device)
     _require_tensor("temperatures", temperatures, torch.float32, None, device)
     temperatures = temperatures.reshape(-1).contiguous()
