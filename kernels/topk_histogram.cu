@@ -158,7 +158,8 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     }
     if (bad) atomicOr(err, bad);
   }
-  group_bin[(long long)blockIdx.x * H_THREADS + tid] = group_col<VEC>(0, tid) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;
+  group_bin[(long long)blockIdx.x * H_THREADS + tid] =
+      group_col<VEC>(0, tid) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;  // 0 for a thread past the row's end
   const u32 wmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) kscratch[warp] = wmax;
   __syncthreads();  // also orders the histogram atomics before the flush

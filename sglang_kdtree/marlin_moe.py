@@ -796,7 +796,7 @@ def seed_prebuilt(source, dtype_name: str = "bfloat16") -> list:
 #: depends on scheduling).
 REDUCE_MODES = ("fp32", "atomic")
 #: The default. Measured on the H200 (benchmarks/RESULTS.md): "atomic" exceeds issue 7's 1e-2 relative-error
-#: bar on 40% of random draws at hidden 256 / 65 tokens and reaches 9.9e-3 at Kimi TP 8 / 1 token, while
+#: bar on 23-40% of random draws at hidden 256 / 65 tokens and reaches 1.05e-2 at Kimi TP 8 / 1 token, while
 #: "fp32" stays within 8.8e-3 everywhere (the bf16 model's own level); the two take the same time at 8 or more
 #: tokens (every tree verify) and "atomic" wins only at 1 token (27 vs 43 us at TP 8).
 DEFAULT_REDUCE = "fp32"

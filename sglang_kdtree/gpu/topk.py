@@ -8,8 +8,8 @@ wording). Value errors that need the data (NaN / +inf logits, a row entirely -in
 (``raise_on_flag``); ``check=True`` syncs and raises at once (tests, debugging).
 
 Two exact pipelines (``IMPL``): "histogram" (``kernels/topk_histogram.cu``: a streaming 12-bit key
-histogram per row, then per row the boundary bin, a gather of the candidates above it and an exact select) and "cut" (``kernels/
-topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
+histogram per row, then per row the boundary bin, a gather of the candidates above it and an exact select)
+and "cut" (``kernels/topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
 
 Workspaces come from a ``TopKWorkspace`` sized for the largest rows / K / vocabulary, so a call allocates
 nothing when one is passed (CUDA-graph capture).
@@ -120,10 +120,11 @@ def candidate_allowance(k: int) -> int:
 class TopKWorkspace:
     """Scratch for ``topk_logprobs`` / ``shard_topk_partials`` for one pipeline (``impl``, default ``IMPL``):
     per-row candidate buffers (u64 composites: ``HIST_CAP`` per row for "histogram", ``chunks *
-    candidate_allowance(max_k)`` for "cut"; "histogram" adds per-row key histograms, zeroed between calls), per-row candidate counts and published thresholds
-    (zeroed here; each call's merge zeroes them again, so CUDA-graph replays start clean), and logsumexp
-    partials, for up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside
-    graph capture); one workspace serves one stream at a time.
+    candidate_allowance(max_k)`` for "cut"), "histogram"'s per-row key histograms (zeroed between calls by its
+    select) and per-group largest bins, "cut"'s per-row candidate counts and published thresholds (zeroed
+    here; each call's merge zeroes them again, so CUDA-graph replays start clean), and logsumexp partials, for
+    up to ``max_rows`` rows of ``vocab`` columns and K <= ``max_k``. Allocate once (outside graph capture); one
+    workspace serves one stream at a time.
     """
 
     def __init__(self, max_rows: int, vocab: int, max_k: int, device, impl: str | None = None):
