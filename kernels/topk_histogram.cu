@@ -33,10 +33,6 @@
 static_assert(S_THREADS == H_THREADS, "boundary_bin splits the histogram over the select block's threads");
 #define S_CACHE 2048                       // candidates staged in shared memory when they fit (16 KiB)
 
-template <typename T> struct HistCfg;
-template <> struct HistCfg<unsigned short> { static constexpr int min_blocks = 6; };
-template <> struct HistCfg<float> { static constexpr int min_blocks = 4; };
-
 // Thread tid's columns in a chunk: ((j * H_THREADS + tid) * VEC + v), j < H_ELEMS / VEC: coalesced loads.
 // The raw values stay packed in 32-bit words (bf16: two per word, element e in word e / 2, low half first,
 // as a 16-byte load lays them out) so a thread's 32 columns cost 16 registers in bf16.
