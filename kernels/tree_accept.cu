@@ -103,8 +103,8 @@ __device__ u64 block_sum_u64(u64 x, u64* scratch) {
   return s;
 }
 
-// Philox4x32-10 (Salmon et al., SC'11): counter-based, so a node's draw is a pure function of
-// (seed, position, node) and needs no generator state between rounds.
+// Philox4x32-10 (Salmon et al., SC'11): counter-based, so a draw is a pure function of (seed, absolute
+// position) and needs no generator state between rounds.
 __device__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
   for (int r = 0; r < 10; ++r) {
     u32 hi0 = __umulhi(0xD2511F53u, ctr.x), lo0 = 0xD2511F53u * ctr.x;
@@ -403,8 +403,11 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
   while (true) {
     const Elem* row = logits + ((i64)b * N + cur) * ld;
     if (SAMPLED && temperature > 0.0f) {
-      // counter = (node, position lo, position hi, stream tag): one draw per (request, round, node)
-      uint4 ctr = make_uint4((u32)cur, (u32)position, (u32)(position >> 32), 0x6b647472u);
+      // counter = (0, position lo, position hi, stream tag) with position = P + depth + 1 = P + tau, the
+      // absolute position of the token drawn here (as pipeline.ReferenceBackend keys its uniforms): the draw
+      // does not depend on the node's index, so it is the same whatever the tree's shape or numbering
+      const u64 pos = position + (u64)tau;
+      uint4 ctr = make_uint4(0u, (u32)pos, (u32)(pos >> 32), 0x6b647472u);
       choice = row_sample(row, V, vec_ok, temperature, top_k, top_p, ctr, key, scratch, errors);
     } else {
       choice = row_argmax(row, V, vec_ok, scratch, errors);

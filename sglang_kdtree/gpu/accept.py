@@ -108,7 +108,7 @@ def _check_seq_lens(seq_lens, bs, device, required):
 
     if seq_lens is None:
         if required:
-            raise ValueError("seq_lens is required: the sampler's counter is (seed, seq_len, node)")
+            raise ValueError("seq_lens is required: the sampler's counter is (seed, seq_len + depth + 1)")
         return None
     _require_tensor("seq_lens", seq_lens, torch.int64, 1, device)
     if tuple(seq_lens.shape) != (bs,):
@@ -260,8 +260,9 @@ def accept_sampled(
     At every visited node the token is drawn from ``softmax(logits / T)`` restricted like SGLang's
     ``top_k_top_p`` sampling: sort by probability (ties: lower token id first), keep rank r iff
     ``r < top_k`` and the probability mass of ranks ``< r`` is ``<= top_p``, renormalise. The draw is a
-    pure function of ``(seeds[b], seq_lens[b], node)`` (Philox4x32-10), so a round is reproducible and
-    successive rounds (seq_len grows) differ. Weights are 2^-44 fixed point relative to the row max:
+    pure function of ``(seeds[b], P + depth + 1)`` (Philox4x32-10), the absolute position of the token it
+    draws (as ``pipeline.ReferenceBackend`` keys its uniforms): independent of the tree's shape and node
+    numbering, reproducible, and successive rounds (seq_len grows) draw at new positions. Weights are 2^-44 fixed point relative to the row max:
     tokens below ``2^-44`` of the top token's probability are never drawn. Requests with ``T <= 0``
     walk greedily (argmax, lower id on ties), as do those with ``top_k == 1``.
 

@@ -8,6 +8,8 @@ are poisoned before every launch. The sampled walk is checked exactly where it m
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -295,6 +297,64 @@ def test_sampled_is_reproducible_and_seeded():
         assert torch.equal(getattr(a, name), getattr(b, name))
     assert not torch.equal(a.committed, c.committed)
     assert error_bits(a.errors) == 0
+
+
+def _binary_tree(order, depth, root_token=5):
+    """A complete binary tree of the given depth (child tokens 0 and 1) numbered in "bfs" or "dfs" (preorder)
+    order: (TreeBatch row arrays, the path of each node as a tuple of bits)."""
+    paths = [()]
+    if order == "bfs":
+        for d in range(1, depth + 1):
+            paths += list(itertools.product((0, 1), repeat=d))
+    else:
+        def visit(p):
+            if len(p) < depth:
+                for bit in (0, 1):
+                    paths.append(p + (bit,))
+                    visit(p + (bit,))
+        visit(())
+    index = {p: i for i, p in enumerate(paths)}
+    tokens = np.array([root_token] + [p[-1] for p in paths[1:]], dtype=np.int64)
+    parents = np.array([-1] + [index[p[:-1]] for p in paths[1:]], dtype=np.int64)
+    depths = np.array([len(p) for p in paths], dtype=np.int64)
+    return tokens, parents, depths, paths
+
+
+def test_sampled_draws_are_keyed_by_position_not_node():
+    """The token drawn at a visited node depends on (seed, absolute position P + depth + 1) and the node's
+    logits only, not on the node's index: the same tree numbered breadth-first and depth-first (every
+    node's logits row the same) commits the same tokens for every request and seed. Only tokens 0 and 1
+    can be drawn, so every walk reaches a leaf."""
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_sampled
+
+    rng = np.random.default_rng(8)
+    bs, depth, vocab = 128, 4, 8
+    row_of_path = {}
+    results = []
+    for order in ("bfs", "dfs"):
+        tokens, parents, depths, paths = _binary_tree(order, depth)
+        width = len(paths) + 1
+        trees = ref.TreeBatch(
+            tokens=np.tile(np.append(tokens, 0), (bs, 1)), depths=np.tile(np.append(depths, 0), (bs, 1)),
+            parents=np.tile(np.append(parents, -1), (bs, 1)), num_nodes=np.full(bs, len(paths) - 1, dtype=np.int64))
+        logits = np.full((bs, width, vocab), -100.0, dtype=np.float32)  # never drawn (below 2^-44 of the top)
+        for i, p in enumerate(paths):
+            if p not in row_of_path:
+                row_of_path[p] = rng.normal(size=(bs, 2)).astype(np.float32)
+            logits[:, i, :2] = row_of_path[p]
+        lt = torch.from_numpy(logits.reshape(bs * width, vocab)).cuda()
+        seeds = torch.arange(bs, device="cuda") * 7919 + 3
+        seq = torch.arange(bs, device="cuda") + 100
+        temps = torch.full((bs,), 1.3, device="cuda")
+        res = accept_sampled(to_gpu(trees), lt, temps, seeds, seq)
+        assert error_bits(res.errors) == 0
+        assert torch.all(res.accept_lens == depth + 1)  # root + depth accepted nodes: every walk reaches a leaf
+        results.append((res, accept_sampled(to_gpu(trees), lt, temps, seeds + 1, seq)))
+    (bfs, bfs_other_seed), (dfs, _) = results
+    assert torch.equal(bfs.committed, dfs.committed)
+    assert torch.equal(bfs.bonus, dfs.bonus)
+    assert not torch.equal(bfs.committed, bfs_other_seed.committed)  # the draws do depend on the seed
 
 
 def _filtered(p, top_k, top_p):
