@@ -3,7 +3,8 @@
 Exact comparisons on fresh random trees (arbitrary parent links with duplicate sibling tokens, and real
 best-first DDTree trees), targets steered down random paths, argmax ties, padding, edge widths; outputs
 are poisoned before every launch. The sampled walk is checked exactly where it must be deterministic
-(top_k = 1, T = 0, same seed) and by chi-square against direct sampling of the target otherwise.
+(top_k = 1, T = 0, same seed, the same tree numbered two ways) and by chi-square against direct sampling of
+the target otherwise.
 """
 
 from __future__ import annotations
