@@ -94,6 +94,12 @@ class _Uniforms:
         return self._uniforms
 
 
+def _sampling_inputs(temperatures, seeds, seq_lens):
+    """Host copies of the per-request sampling inputs: (temperatures float, seeds int64, lengths int64)."""
+    return (_np(temperatures.float()).reshape(-1), _np(seeds).reshape(-1).astype(np.int64),
+            _np(seq_lens).reshape(-1).astype(np.int64))
+
+
 def _tree_batch(trees) -> reference.TreeBatch:
     return reference.TreeBatch(tokens=_np(trees.tokens), depths=_np(trees.depths), parents=_np(trees.parents),
                                num_nodes=_np(trees.num_nodes))
@@ -154,9 +160,7 @@ class ReferenceBackend:
         """
         tb = _tree_batch(trees)
         logits_np = _np(logits.float())
-        temps = _np(temperatures.float()).reshape(-1)
-        seeds_np = _np(seeds).reshape(-1).astype(np.int64)
-        lens = _np(seq_lens).reshape(-1).astype(np.int64)
+        temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
         parts = []
         for b in range(tb.tokens.shape[0]):
             one = reference.TreeBatch(tb.tokens[b : b + 1], tb.depths[b : b + 1], tb.parents[b : b + 1],
@@ -174,9 +178,7 @@ class ReferenceBackend:
         """One token per row from ``softmax(logits / T)`` with the uniform of the position it generates,
         ``position_uniform(seed, seq_len)`` (the same key ``accept_sampled`` uses): ``[bs, V]`` -> ``[bs]``."""
         logits_np = _np(logits.float())
-        temps = _np(temperatures.float()).reshape(-1)
-        seeds_np = _np(seeds).reshape(-1).astype(np.int64)
-        lens = _np(seq_lens).reshape(-1).astype(np.int64)
+        temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
         out = np.empty(len(temps), dtype=np.int64)
         for b in range(len(temps)):
             u = np.array([[position_uniform(seeds_np[b], lens[b])]])

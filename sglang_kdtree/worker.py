@@ -69,26 +69,10 @@ class KDTreeVerifyInput(DFlashVerifyInput):
     retrieve_next_sibling: torch.Tensor | None = None
 
 
-def _draft_block_size(server_args, draft_model) -> int:
-    if getattr(server_args, "speculative_dflash_block_size", None):
-        return int(server_args.speculative_dflash_block_size)
-    block = getattr(getattr(draft_model, "draft_config", None), "block_size", None)
-    if block is None:
-        block = getattr(draft_model, "block_size", None)
-    if block is None:
-        raise ValueError(
-            "KDTREE: the draft checkpoint's config has no block_size; pass --speculative-dflash-block-size"
-        )
-    return int(block)
-
-
 def _read_draft_block_size(server_args) -> int:
     """The drafter's block size from the server args or its config.json, before any model is built."""
     if getattr(server_args, "speculative_dflash_block_size", None):
         return int(server_args.speculative_dflash_block_size)
-    import json
-    import os
-
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
 
     path = os.path.join(server_args.speculative_draft_model_path, "config.json")

@@ -74,8 +74,6 @@ class KVLayerTable:
     buffers: tuple  # keeps the tensors alive and lets the table be checked against a pool
 
 
-
-
 def kv_layer_table(buffers) -> KVLayerTable:
     """Pointer table of a pool's layer buffers.
 
@@ -153,8 +151,6 @@ def verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, wid
 @functools.cache
 def _kernel(module: str, name: str):
     return runtime.load_module(module).get_function(name)
-
-
 
 
 def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommitPlan:
