@@ -1,0 +1,207 @@
+"""The test-only CUDA ``sgl_kernel`` stand-in (``tests/e2e/sgl_kernel_cuda``), on CPU.
+
+Its torch ops are device-agnostic, so they are checked here against plain float64 math; unknown names must
+raise ``NotImplementedError`` naming the op; the import shims must apply only when what they replace is
+missing. The package is loaded under a private name so it never shadows an installed ``sgl_kernel``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+STANDIN = Path(__file__).resolve().parent / "e2e" / "sgl_kernel_cuda"
+
+
+def _load(package_dir: Path, alias: str):
+    spec = importlib.util.spec_from_file_location(alias, package_dir / "__init__.py",
+                                                  submodule_search_locations=[str(package_dir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sk():
+    module = _load(STANDIN / "sgl_kernel", "kdtree_cuda_standin_sgl_kernel")
+    yield module
+    sys.modules.pop("kdtree_cuda_standin_sgl_kernel", None)
+
+
+def _rms64(x, w, eps):
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm(sk, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    want = _rms64(x, w, 1e-6)
+    got = sk.rmsnorm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    out = torch.empty_like(x)
+    assert sk.rmsnorm(x, w, 1e-5, out=out) is out
+    torch.testing.assert_close(out.double(), _rms64(x, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rmsnorm_in_place(sk, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    r = torch.randn(5, 64, generator=g).to(dtype)
+    w = (torch.rand(64, generator=g) + 0.5).to(dtype)
+    total = x.double() + r.double()
+    assert sk.fused_add_rmsnorm(x, r, w, 1e-6) is None
+    torch.testing.assert_close(r.double(), total, **TOL[dtype])
+    torch.testing.assert_close(x.double(), _rms64(total, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize(("name", "act"), [
+    ("silu_and_mul", lambda t: t * torch.sigmoid(t)),
+    ("gelu_and_mul", lambda t: 0.5 * t * (1 + torch.erf(t / 2 ** 0.5))),
+    ("gelu_tanh_and_mul", lambda t: 0.5 * t * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (t + 0.044715 * t ** 3)))),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_and_mul(sk, name, act, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 4, 2 * 40, generator=g) * 2).to(dtype)
+    x64 = x.double()
+    want = act(x64[..., :40]) * x64[..., 40:]
+    op = getattr(sk, name)
+    got = op(x)
+    assert got.shape == (3, 4, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    out = torch.full((3, 4, 40), float("nan"), dtype=dtype)
+    assert op(x, out) is out
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_reduce(sk, dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 6, 32, generator=g).to(dtype)
+    out = torch.full((9, 32), float("nan"), dtype=dtype)
+    assert sk.moe_sum_reduce(x, out, 2.5) is None
+    torch.testing.assert_close(out.double(), x.double().sum(1) * 2.5, **TOL[dtype])
+
+
+def test_weak_ref_tensor_aliases_memory(sk):
+    base = torch.arange(24.0).reshape(4, 6)
+    view = base[1:, ::2]
+    ref = sk.weak_ref_tensor(view)
+    assert ref.shape == view.shape and ref.stride() == view.stride()
+    assert ref.data_ptr() == view.data_ptr()
+    ref.fill_(-1)
+    assert (base[1:, ::2] == -1).all() and (base[0] != -1).all()
+
+
+def test_is_arch_support_pdl_delegates_to_sglang(sk, monkeypatch):
+    jit_utils = pytest.importorskip("sglang.kernels.jit.utils")
+    utils = importlib.import_module("kdtree_cuda_standin_sgl_kernel.utils")
+    for answer in (True, False):
+        monkeypatch.setattr(jit_utils, "is_arch_support_pdl", lambda answer=answer: answer)
+        assert utils.is_arch_support_pdl() is answer
+
+
+@pytest.mark.parametrize("name", ["fused_experts", "merge_state_v2", "top_k_renorm_prob", "flash_mla_decode"])
+def test_unknown_op_raises_by_name(sk, name):
+    with pytest.raises(NotImplementedError, match=rf"sgl_kernel\.{name} is not provided"):
+        getattr(sk, name)(torch.zeros(1))
+
+
+def test_unknown_submodule_op_raises_by_name(sk):
+    kvcacheio = importlib.import_module("kdtree_cuda_standin_sgl_kernel.kvcacheio")
+    with pytest.raises(NotImplementedError, match=r"sgl_kernel\.kvcacheio\.transfer_kv_direct"):
+        kvcacheio.transfer_kv_direct()
+    with pytest.raises(AttributeError):
+        kvcacheio.__wrapped__  # noqa: B018  (dunders stay AttributeError: inspect / pickle probe them)
+
+
+def test_marlin_ops_file_is_merged(tmp_path):
+    package = tmp_path / "sgl_kernel"
+    shutil.copytree(STANDIN / "sgl_kernel", package)
+    (package / "_marlin_ops.py").write_text(textwrap.dedent("""
+        import types
+        __all__ = ["moe_wna16_marlin_gemm_probe"]
+        def moe_wna16_marlin_gemm_probe():
+            return "marlin"
+        scalar_type = types.ModuleType("scalar_type")
+        scalar_type.scalar_types = "the scalar types"
+    """))
+    alias = "kdtree_cuda_standin_sgl_kernel_marlin"
+    try:
+        module = _load(package, alias)
+        assert module.moe_wna16_marlin_gemm_probe() == "marlin"
+        assert sys.modules[f"{alias}.scalar_type"].scalar_types == "the scalar types"
+        with pytest.raises(NotImplementedError):
+            module.some_other_op()
+    finally:
+        sys.modules.pop(alias, None)
+        sys.modules.pop(f"{alias}.scalar_type", None)
+
+
+def test_import_shims_in_a_fresh_interpreter():
+    """sitecustomize: shims apply only where the real module is missing (hidden here by a finder that
+    sits after ours), the dist-info metadata is found first, the TEMPORARY DFLASH prewarm flag works."""
+    code = textwrap.dedent("""
+        import importlib.abc, importlib.metadata, sys
+
+        class Hide(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name in ("soundfile", "cutlass"):
+                    raise ModuleNotFoundError(name)
+                return None
+
+        assert [type(f).__name__ for f in sys.meta_path[:2]] == ["_ShimFinder", "_AfterImportFinder"]
+        sys.meta_path.insert(2, Hide())
+
+        import soundfile
+        assert soundfile.__file__.endswith("shims/soundfile.py"), soundfile.__file__
+        try:
+            soundfile.read("x.wav")
+        except NotImplementedError as e:
+            assert "soundfile.read" in str(e)
+        else:
+            raise AssertionError("soundfile.read did not raise")
+
+        import sglang.kernels.ops.gemm.cutedsl_dual_gemm as dg
+        assert dg.__file__.endswith("shims/cutedsl_dual_gemm.py"), dg.__file__
+        assert dg.can_use_dual_gemm(dg.MAX_DUAL_GEMM_DECODE_TOKENS, 4096, 14336, dg.DualGemmQuantMode.UNQUANT) is False
+        assert not dg.DualGemmQuantMode.UNQUANT.is_quantized and dg.DualGemmQuantMode.DYNAMIC_PER_TOKEN.is_dynamic
+        try:
+            dg.dual_gemm_swiglu(None, None)
+        except NotImplementedError as e:
+            assert "dual_gemm_swiglu" in str(e)
+        else:
+            raise AssertionError("dual_gemm_swiglu did not raise")
+
+        assert "kdtree.cuda.standin" in importlib.metadata.version("sglang-kernel")
+        import sgl_kernel
+        assert "kdtree.cuda.standin" in sgl_kernel.__version__
+
+        import sglang.srt.speculative.dflash_utils as du
+        assert du._DFLASH_SAMPLING_VERIFY_AVAILABLE is False
+        print("SHIMS-OK")
+    """)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["KDTREE_STANDIN_SKIP_DFLASH_SAMPLING_PREWARM"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "SHIMS-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
