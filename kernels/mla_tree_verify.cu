@@ -310,7 +310,10 @@ __device__ __forceinline__ void mla_tree_verify_body(
         const INDEX* __restrict__ kv_indices, const long long* __restrict__ tree_slots,                        \
         const unsigned* __restrict__ anc_bits, int N, int H, int words, int num_splits, float scale_log2,      \
         bf16_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o,                         \
-        float2* __restrict__ part_ml, long long total_rows) {                                                  \
+        float2* __restrict__ part_ml, long long total_rows, unsigned long long* __restrict__ launches) {       \
+        /* one count per launch (eager or CUDA-graph replay): the serving path's proof that it ran */         \
+        if (launches != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)  \
+            atomicAdd(launches, 1ULL);                                                                          \
         mla_tree_verify_body<INDEX>(q, kv, kv_stride, kv_start, kv_end, kv_indices, tree_slots, anc_bits, N, H, \
                                     words, num_splits, scale_log2, out, lse, part_o, part_ml, total_rows);     \
     }

@@ -48,6 +48,9 @@ _SUPPORTED_BITS = 4
 _SUPPORTED_GROUP_SIZE = 32
 _MIN_CAPABILITY = (8, 0)
 _warned: set[str] = set()
+#: routed calls in this process (eager calls plus one per CUDA-graph capture, whose replays run the captured
+#: kernels without Python): the worker's round log reports it as proof that the hook engaged.
+routed_calls = 0
 
 
 def option() -> str:
@@ -142,6 +145,8 @@ def apply_weights(original, self, layer, dispatch_output):
     if reason is not None:
         _warn_once(reason)
         return original(self, layer, dispatch_output)
+    global routed_calls
+    routed_calls += 1
     import torch
     from sglang.srt.layers import zero_copy_context
     from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput

@@ -23,6 +23,7 @@ CPU, not a stand-in, and the GPU kernels are tested bit-exact against it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 
 from sglang_kdtree import reference
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class TorchTrees:
@@ -190,38 +192,137 @@ class ReferenceBackend:
         return TorchCommitPlan(self._t(plan.src_slots), self._t(plan.dst_slots), self._t(plan.hidden_rows),
                                self._t(plan.accept_lens))
 
+    def reserve(self, batch, budget, depth, vocab, mask_bytes=0) -> None:
+        """Nothing to preallocate: the reference works on host copies."""
+
+    def commit_kv(self, pool, plan) -> None:
+        move_kv_with_sglang(pool, plan)
+
+    def gather_hidden(self, hidden, plan, width: int):
+        """``[bs, M', D]`` hidden rows of the accepted path, ``M' = min(M, width)``; rows past tau are unspecified
+        (the drafter's KV write takes the first tau)."""
+        rows = plan.hidden_rows[:, : min(plan.hidden_rows.shape[1], width)]
+        return hidden[torch.where(rows >= 0, rows, torch.zeros_like(rows)).reshape(-1)].view(*rows.shape, -1)
+
+
+def move_kv_with_sglang(pool, plan) -> None:
+    """Apply a commit plan with the pool's own ``move_kv_cache`` (only the rows whose slot changes; one host
+    sync to know whether any does)."""
+    valid = plan.src_slots >= 0
+    moving = valid & (plan.src_slots != plan.dst_slots)
+    if bool(moving.any()):
+        pool.move_kv_cache(plan.dst_slots[moving], plan.src_slots[moving])
+
+
+def _grown(current: int, needed: int) -> int:
+    """Capacity after a grow-only resize: ``needed`` if it fits, else at least double (amortised, no per-round
+    reallocation once the largest batch and context have been seen)."""
+    return current if needed <= current else max(int(needed), 2 * int(current))
+
 
 class GpuBackend:
-    """The CUDA kernels of ``sglang_kdtree.gpu`` (no host sync on the hot path; errors via device flags)."""
+    """The CUDA kernels of ``sglang_kdtree.gpu`` (no host sync on the hot path; errors via device flags).
+
+    After ``reserve(batch, budget, depth, vocab, mask_bytes)`` the round's steps write into buffers the backend
+    owns for the server's lifetime (``gpu.tree.TreeBuilder`` for top-K, tree and verify inputs, plus accept,
+    commit-plan and hidden-row storage), grown only when a batch or context is larger than any before; the
+    bf16 draft logits are read as they are. Calls outside a reservation (tests, other shapes) allocate.
+
+    Device error bits accumulate in ``tree_errors`` (``gpu.topk.TOPK_ERRORS``: draft log-probs, trees),
+    ``commit_errors`` (``gpu.errors.DEVICE_ERRORS``: commit plan, KV compaction, hidden gather) and each accept
+    result's per-request ``errors``; the worker reads them once per round (``KDTreeWorker._round_faults``).
+    """
 
     name = "gpu"
 
     def __init__(self, device):
-        from sglang_kdtree.gpu import accept, compact, topk, tree, verify
+        from sglang_kdtree.gpu import accept, compact, errors, topk, tree, verify
 
         self.device = torch.device(device)
         self._topk, self._tree, self._verify, self._accept, self._compact = topk, tree, verify, accept, compact
+        self._builder = None  # gpu.tree.TreeBuilder sized by reserve()
+        self._accept_storage = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._plan_storage = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._hidden_storage = None
+        self.tree_errors = topk.new_error_flag(self.device)
+        self.commit_errors = errors.new_error_flag(self.device)
+        self._kv_tables = {}
+
+    # -- buffers ----------------------------------------------------------------------------------------
+
+    def reserve(self, batch: int, budget: int, depth: int, vocab: int, mask_bytes: int = 0) -> None:
+        """Make the round's buffers hold ``batch`` requests of ``budget`` nodes over ``depth`` draft depths of a
+        ``vocab``-wide head, and a FULL_MASK of ``mask_bytes``; allocates only when something grows."""
+        b = self._builder
+        if b is not None and (b.max_budget, b.depth, b.vocab) != (int(budget), int(depth), int(vocab)):
+            b = None
+        if b is None or batch > b.max_batch:
+            cap = _grown(b.max_batch if b is not None else 0, max(int(batch), 1))
+            masks = _grown(b.verify.full_mask.numel() if b is not None else 0, int(mask_bytes))
+            self._builder = self._tree.TreeBuilder(cap, int(budget), int(depth), int(vocab), self.device,
+                                                   max_mask_bytes=masks)
+            self._builder.error_flag = self.tree_errors
+        elif mask_bytes > b.verify.full_mask.numel():
+            b.verify = self._verify.alloc_verify_inputs(
+                b.max_batch, b.max_budget + 1, _grown(b.verify.full_mask.numel(), int(mask_bytes)), self.device)
+
+    def _reserved_for(self, bs: int, depth: int | None = None, vocab: int | None = None):
+        b = self._builder
+        if b is None or bs > b.max_batch or (depth is not None and depth != b.depth) or (
+                vocab is not None and vocab != b.vocab):
+            return None
+        return b
+
+    def _storage(self, name: str, numel: int) -> torch.Tensor:
+        current = getattr(self, name)
+        if current.numel() < numel:
+            current = torch.empty(_grown(current.numel(), numel), dtype=torch.int64, device=self.device)
+            setattr(self, name, current)
+        return current
+
+    # -- the round's steps (same contract as ReferenceBackend) ------------------------------------------------
 
     def topk(self, logits, k):
-        return self._topk.topk_logprobs(logits.contiguous(), k)
+        bs, depth, vocab = logits.shape
+        builder = self._reserved_for(bs, depth, vocab)
+        if builder is not None and k <= builder.topk_workspace.max_k:
+            return self._topk.topk_logprobs(logits, k, workspace=builder.topk_workspace,
+                                            out=(builder.logprobs, builder.token_ids), error_flag=self.tree_errors)
+        return self._topk.topk_logprobs(logits.contiguous(), k, error_flag=self.tree_errors)
 
     def shard_topk(self, logits_shard, k, id_offset):
-        return self._topk.shard_topk_partials(logits_shard.contiguous(), k, id_offset)
+        return self._topk.shard_topk_partials(logits_shard.contiguous(), k, id_offset, error_flag=self.tree_errors)
 
     def merge_topk(self, vals, ids, lse, k):
-        return self._topk.merge_topk_partials(vals, ids, lse, k)
+        return self._topk.merge_topk_partials(vals, ids, lse, k, error_flag=self.tree_errors)
 
     def build(self, logprobs, ids, budget, roots):
-        return self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64))
+        builder = self._reserved_for(logprobs.shape[0])
+        out = builder.trees if builder is not None and budget <= builder.max_budget else None
+        return self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64), out=out,
+                                      error_flag=self.tree_errors)
 
     def verify_inputs(self, trees, seq_lens, seq_lens_sum=None):
-        return self._verify.verify_inputs(trees, seq_lens.to(torch.int64), seq_lens_sum=seq_lens_sum)
+        builder = self._reserved_for(trees.tokens.shape[0])
+        width = trees.tokens.shape[1]
+        out = None
+        if builder is not None and seq_lens_sum is not None and width <= builder.max_budget + 1 and \
+                builder.verify.full_mask.numel() >= int(seq_lens_sum) * width + width * width * trees.tokens.shape[0]:
+            out = builder.verify
+        return self._verify.verify_inputs(trees, seq_lens.to(torch.int64), seq_lens_sum=seq_lens_sum, out=out,
+                                          error_flag=self.tree_errors)
+
+    def _accept_out(self, trees, max_depth):
+        bs, width = trees.tokens.shape
+        storage = self._storage("_accept_storage", self._accept.accept_storage_numel(bs, width, max_depth))
+        return self._accept.carve_accept_result(storage, bs, width, max_depth)
 
     def accept_greedy(self, trees, logits, max_depth):
-        return self._accept.accept_greedy(trees, logits, max_depth)
+        return self._accept.accept_greedy(trees, logits, max_depth, out=self._accept_out(trees, max_depth))
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth):
-        return self._accept.accept_sampled(trees, logits, temperatures, seeds, seq_lens.to(torch.int64), max_depth)
+        return self._accept.accept_sampled(trees, logits, temperatures, seeds, seq_lens.to(torch.int64), max_depth,
+                                           out=self._accept_out(trees, max_depth))
 
     def sample_tokens(self, logits, temperatures, seeds, seq_lens) -> torch.Tensor:
         # Rare (a seeded request's prefill token outside deterministic mode): the reference sampler on a
@@ -229,7 +330,69 @@ class GpuBackend:
         return ReferenceBackend(self.device).sample_tokens(logits, temperatures, seeds, seq_lens)
 
     def commit_plan(self, accepted, accept_lens, verify_slots):
-        return self._compact.commit_plan(accepted, accept_lens, verify_slots)
+        storage = self._storage("_plan_storage", 3 * accepted.numel())
+        return self._compact.commit_plan(accepted, accept_lens, verify_slots, errors=self.commit_errors,
+                                         storage=storage)
+
+    def commit_kv(self, pool, plan) -> None:
+        """Move the accepted rows' KV in every layer with one ``compact_kv`` launch (no host sync) when the pool
+        is a plain MHA or MLA pool; any other pool goes through SGLang's ``move_kv_cache``."""
+        table = self._kv_table(pool)
+        if table is None:
+            move_kv_with_sglang(pool, plan)
+            return
+        self._compact.compact_kv(table, plan, errors=self.commit_errors)
+
+    def _kv_table(self, pool):
+        key = id(pool)
+        if key not in self._kv_tables:
+            self._kv_tables[key] = (pool, _compactable_layers(pool, self._compact))
+        return self._kv_tables[key][1]
+
+    def gather_hidden(self, hidden, plan, width: int):
+        """As ``ReferenceBackend.gather_hidden`` (here rows past tau are zeros), into reused storage."""
+        bs, m = plan.hidden_rows.shape
+        rows = plan.hidden_rows[:, : min(m, width)]
+        d = hidden.shape[-1]
+        need = rows.numel() * d
+        if self._hidden_storage is None or self._hidden_storage.dtype != hidden.dtype or \
+                self._hidden_storage.numel() < need:
+            old = 0 if self._hidden_storage is None or self._hidden_storage.dtype != hidden.dtype \
+                else self._hidden_storage.numel()
+            self._hidden_storage = torch.empty(_grown(old, need), dtype=hidden.dtype, device=self.device)
+        out = self._hidden_storage[:need].view(bs, rows.shape[1], d)
+        plan_view = _PlanRows(rows.contiguous() if not rows.is_contiguous() else rows)
+        return self._compact.gather_hidden(hidden, plan_view, errors=self.commit_errors, out=out)
+
+
+@dataclass
+class _PlanRows:
+    """The part of a commit plan ``gather_hidden`` reads (its ``hidden_rows`` cut to the verify width)."""
+
+    hidden_rows: torch.Tensor
+    errors: torch.Tensor | None = None
+
+
+def _compactable_layers(pool, compact):
+    """A ``KVLayerTable`` over ``pool``'s layer buffers when ``compact_kv`` can move its rows exactly: SGLang's
+    plain ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (no quantisation scales, no paged head-major layout);
+    None otherwise (the caller then uses the pool's own ``move_kv_cache``)."""
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    except ImportError:  # pragma: no cover - SGLang is a dependency
+        return None
+    if getattr(pool, "page_size", 1) != 1 or getattr(pool, "use_hnd", False):
+        return None
+    if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "layer_num", 1) == 0:
+        return None
+    try:
+        if type(pool) is MLATokenToKVPool:
+            return compact.kv_layer_table(list(pool.kv_buffer))
+        if type(pool) is MHATokenToKVPool:
+            return compact.kv_layer_table(list(pool.k_buffer) + list(pool.v_buffer))
+    except (TypeError, ValueError) as exc:  # an unusual layout: SGLang's move keeps working
+        logger.info("KDTREE: KV pool %s keeps SGLang's move_kv_cache (%s)", type(pool).__name__, exc)
+    return None
 
 
 def select_backend(device) -> ReferenceBackend | GpuBackend:

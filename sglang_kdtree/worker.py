@@ -58,6 +58,10 @@ ROUND_LOG_ENV = "KDTREE_ROUND_LOG"
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
 ACTIVE_BLOCK_SIZE: int | None = None
 
+#: Largest batch the startup rehearsal sizes the round's buffers for (SGLang's default largest CUDA-graph
+#: batch); a larger batch grows them on first sight.
+_PREWARM_MAX_BATCH = 256
+
 
 class KDTreeVerifyInput(DFlashVerifyInput):
     """DFLASH's verify input carrying the tree: ``custom_mask`` (FULL_MASK) plus the DDTree extras that
@@ -132,8 +136,29 @@ class KDTreeWorker(DFlashWorkerV2):
             super().init_cuda_graphs()
 
     def prewarm_sampling(self):
-        with self._draft_geometry(self.block_size):
-            return super().prewarm_sampling()
+        """Rehearse KDTREE's own round bookkeeping at startup (not DFLASH's chain sampling verify, which
+        KDTREE never runs): on CUDA, one greedy and one sampled round of the GPU backend at the largest batch
+        the verify CUDA graph takes, so every kernel is compiled and the backend's buffers exist before SGLang
+        sizes the KV pool from the free memory; the measured peak is reported like DFLASH's rehearsal."""
+        from sglang.srt.model_executor.model_runner import SamplingPrewarmResult
+
+        runner = self.target_worker.model_runner
+        if self.device.type != "cuda" or self.backend.name != "gpu":
+            return runner.prewarm_sampling()
+        # the largest verify batch, bounded like SGLang's graph batch sizes: larger batches grow the buffers
+        bs = min(self._prewarm_batch_size(self.verify_width), _PREWARM_MAX_BATCH)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+        config = runner.model_config
+        logits = rehearse_round(self.backend, bs, self.budget, self.depths, self.vocab_size, self.device,
+                                hidden_size=int(config.hidden_size), hidden_dtype=self._draft_dtype)
+        torch.cuda.synchronize()
+        peak = torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
+        result = SamplingPrewarmResult(sampling_input_bytes=logits, sampling_headroom_bytes=max(peak, 0) + logits)
+        runner.sampling_prewarm_result = result
+        logger.info("KDTREE round pre-warm: bs=%d peak=%d B (buffers kept for serving)", bs, peak)
+        return result
 
     # ------------------------------------------------------------------------------------------------
     # the decode round
@@ -270,12 +295,13 @@ class KDTreeWorker(DFlashWorkerV2):
         lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
         bs, _, hidden_size = draft_hidden.shape
         rows = draft_hidden[:, 1:, :].reshape(-1, hidden_size).to(lm_head.weight.dtype)
-        local = torch.nn.functional.linear(rows, lm_head.weight).float()
+        # the head's own dtype (bf16 in serving): both backends read it as it is, no fp32 copy
+        local = torch.nn.functional.linear(rows, lm_head.weight)
         shard = getattr(lm_head, "shard_indices", None)
         tp = get_parallel().tp_size
         k = min(self.budget, self.vocab_size)
         if tp == 1:
-            logprobs, ids = self.backend.topk(local[:, : self.vocab_size], k)
+            logprobs, ids = self.backend.topk(local[:, : self.vocab_size].unflatten(0, (bs, self.depths)), k)
         else:
             # Columns past the shard's real vocabulary are padding: never candidates.
             start = int(shard.org_vocab_start_index) if shard is not None else 0
@@ -286,11 +312,17 @@ class KDTreeWorker(DFlashWorkerV2):
                                                 group=get_parallel().tp_group.device_group)
         return logprobs.view(bs, self.depths, -1), ids.view(bs, self.depths, -1)
 
-    def _log_round(self, acc, verify, trees) -> None:
-        """Append ``{"accept_lens", "sibling_accepts", "num_nodes"}`` for this round to ``$KDTREE_ROUND_LOG``.
+    def _log_round(self, acc, verify, trees, marks, graph: bool) -> None:
+        """Append this round's record to ``$KDTREE_ROUND_LOG`` (one JSON line):
 
-        ``sibling_accepts[b]`` counts accepted nodes that are not their parent's first child (rank > 0 at
-        their depth): acceptance the chain drafter (DFLASH) could not have had.
+        * ``accept_lens``, ``num_nodes``; ``sibling_accepts[b]`` counts accepted nodes that are not their
+          parent's first child (rank > 0 at their depth): acceptance a chain drafter (DFLASH) could not have;
+        * ``backend`` (``gpu`` / ``reference``) and ``graph`` (the target verify replayed a CUDA graph);
+        * ``mla_launches``: launches of the fused MLA tree-verify kernel in this process so far (a device
+          counter, so launches inside graph replays count); ``marlin_routed``: routed Marlin MoE calls (eager
+          calls plus captures);
+        * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
+          verify inputs), ``verify`` (target forward), ``accept_commit`` (accept, KV commit, drafter features).
         """
         accepted = acc.accepted.to("cpu")
         first_child = verify.retrieve_next_token.to("cpu")
@@ -299,9 +331,60 @@ class KDTreeWorker(DFlashWorkerV2):
         for b, tau in enumerate(lens):
             path = accepted[b, :tau].tolist()
             siblings.append(sum(int(first_child[b, p]) != c for p, c in zip(path, path[1:])))
-        record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist()}
+        record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
+                  "backend": self.backend.name, "graph": bool(graph), "ms": marks.split()}
+        if self.device.type == "cuda":
+            from sglang_kdtree.gpu import mla_attention
+
+            record["mla_launches"] = mla_attention.launch_count(self.device)
+        try:
+            from sglang_kdtree.patches import marlin_moe
+        except ImportError:  # pragma: no cover - patches ship with the package
+            marlin_moe = None
+        record["marlin_routed"] = getattr(marlin_moe, "routed_calls", 0)
         with open(self._round_log, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def _round_faults(self, batch, acc, plan, draft_logprobs) -> None:
+        """Read every device error flag of the round once (the round's one host read at its end; the scheduler
+        reads the results right after) and end each flagged request with ``FINISH_ABORT`` naming the fault,
+        so the rest of the batch goes on. Flags the kernels keep per batch, not per request (draft
+        log-probs / tree, KV commit), are traced back to the requests whose draft log-probs are NaN / +inf or
+        whose commit plan is invalid; failing that, the whole batch is ended."""
+        per_request = getattr(acc, "errors", None)
+        tree_flag = getattr(self.backend, "tree_errors", None)
+        commit_flag = getattr(self.backend, "commit_errors", None)
+        if per_request is None or tree_flag is None or commit_flag is None:
+            return  # the reference raises at the faulty step instead
+        words = torch.cat([tree_flag.to(torch.int64), commit_flag.to(torch.int64), per_request.to(torch.int64)])
+        host = words.tolist()
+        tree_bits, commit_bits, req_bits = host[0], host[1], host[2:]
+        if not (tree_bits or commit_bits or any(req_bits)):
+            return
+        from sglang_kdtree.gpu.errors import describe_device_error
+        from sglang_kdtree.gpu.topk import TOPK_ERRORS
+
+        bs = len(req_bits)
+        faults = {b: describe_device_error(bits) for b, bits in enumerate(req_bits) if bits}
+        if tree_bits:
+            what = [m for bit, m in TOPK_ERRORS.items() if tree_bits & bit]
+            rows = draft_logprobs.reshape(bs, -1)
+            bad = (torch.isnan(rows) | torch.isposinf(rows)).any(dim=1).tolist()
+            for b in [b for b in range(bs) if bad[b]] or range(bs):
+                faults.setdefault(b, []).extend(f"draft: {m}" for m in what)
+            tree_flag.zero_()
+        if commit_bits:
+            invalid = (plan.src_slots[:, 0] < 0).tolist()
+            for b in [b for b in range(bs) if invalid[b]] or range(bs):
+                faults.setdefault(b, []).extend(f"commit: {m}" for m in describe_device_error(commit_bits))
+            commit_flag.zero_()
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        for b, problems in sorted(faults.items()):
+            req = batch.reqs[b]
+            message = f"KDTREE round failed for this request: {'; '.join(problems)}"
+            logger.error("%s (rid=%s)", message, req.rid)
+            req.to_finish = FINISH_ABORT(message, status_code=500, err_type="InternalServerError")
 
     def _tree_round(self, batch, on_publish):
         from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -314,14 +397,19 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
         bs, width, device = len(batch.seq_lens), self.verify_width, self.device
         prefix_lens = batch.seq_lens.to(torch.int64)
+        prefix_cpu = prefix_lens.to("cpu")
+        marks = _RoundMarks(device, enabled=self._round_log is not None)
+        # the round's buffers for this batch and context (grow-only; nothing is allocated in steady state)
+        self.backend.reserve(bs, self.budget, self.depths, self.vocab_size,
+                             mask_bytes=int(prefix_cpu.sum()) * width + width * width * bs)
 
         # 1-3: draft block -> per-depth top-K -> tree
         draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
+        marks.mark("draft")
         logprobs, ids = self._draft_topk(draft_hidden)
         trees = self.backend.build(logprobs, ids, self.budget, draft_input.bonus_tokens.to(torch.int64))
 
         # 4: verify input into the N reserved slots after the committed prefix
-        prefix_cpu = prefix_lens.to("cpu")
         verify = self.backend.verify_inputs(trees, prefix_lens, seq_lens_sum=int(prefix_cpu.sum()))
         verify_slots = self._gather_slots(batch, prefix_lens, width)
         seq_lens_cpu_verify = prefix_cpu + width
@@ -343,12 +431,14 @@ class KDTreeWorker(DFlashWorkerV2):
         batch.seq_lens_sum = int(seq_lens_cpu_verify.sum())
         verify_fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved_cpu, saved_sum
+        marks.mark("tree")
 
         # 5: target verify
         target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
                                                                  is_verify=True, skip_attn_backend_init=True)
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits[:, : self.vocab_size].reshape(bs, width, -1)
+        marks.mark("verify")
 
         # 6: accept
         sampling = batch.sampling_info
@@ -365,24 +455,18 @@ class KDTreeWorker(DFlashWorkerV2):
 
         # 7: KV commit: the accepted path to the slots of positions P..P+tau-1 (read all, then write)
         commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)
-        valid = commit.src_slots >= 0
-        moving = valid & (commit.src_slots != commit.dst_slots)
-        if bool(moving.any()):
-            self.target_worker.model_runner.token_to_kv_pool.move_kv_cache(
-                commit.dst_slots[moving], commit.src_slots[moving])
+        self.backend.commit_kv(self.target_worker.model_runner.token_to_kv_pool, commit)
 
         # 8: drafter features from the accepted rows, written at chain positions P..P+tau-1
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("KDTREE verify requires target hidden states, but got None")
-        # tau <= min(L + 1, N): the plan's columns past the verify width are padding
-        commit_width = min(int(commit.hidden_rows.shape[1]), width)
-        rows = torch.where(valid, commit.hidden_rows, torch.zeros_like(commit.hidden_rows))[:, :commit_width]
-        accepted_hidden = hidden[rows.reshape(-1)].view(bs, commit_width, hidden.shape[-1])
+        accepted_hidden = self.backend.gather_hidden(hidden, commit, width)  # [bs, min(L+1, N), D]
+        commit_width = accepted_hidden.shape[1]
         chain_positions = prefix_lens[:, None] + torch.arange(commit_width, device=device)[None, :]
         draft_slots = self._draft_write_ids(plan).view(bs, width)[:, :commit_width]
         self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=accepted_hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+            target_hidden=accepted_hidden.reshape(-1, hidden.shape[-1]),
             cache_loc=draft_slots.reshape(-1).contiguous(), cache_loc_2d=draft_slots.contiguous(),
             positions=chain_positions.reshape(-1), commit_lens=accept_lens.to(torch.int32),
         )
@@ -392,8 +476,10 @@ class KDTreeWorker(DFlashWorkerV2):
         out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
         committed = acc.committed[:, : min(width, acc.committed.shape[1])]
         out_tokens[:, : committed.shape[1]] = committed.clamp_min(0)
+        marks.mark("accept_commit")
+        self._round_faults(batch, acc, commit, logprobs)
         if self._round_log is not None:
-            self._log_round(acc, verify, trees)
+            self._log_round(acc, verify, trees, marks, target_out.can_run_cuda_graph)
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -406,3 +492,60 @@ class KDTreeWorker(DFlashWorkerV2):
             routed_experts_output=target_out.routed_experts_output,
             indexer_topk_output=target_out.indexer_topk_output,
         )
+
+
+class _RoundMarks:
+    """Phase boundaries of one round for the round log: CUDA events on a GPU (read after the round's end),
+    the host clock on CPU; does nothing unless the round log is on."""
+
+    def __init__(self, device, enabled: bool):
+        import time
+
+        self._cuda = enabled and torch.device(device).type == "cuda"
+        self._enabled = enabled
+        self._clock = time.perf_counter
+        self._marks = [("start", self._now())] if enabled else []
+
+    def _now(self):
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self._clock()
+
+    def mark(self, name: str) -> None:
+        if self._enabled:
+            self._marks.append((name, self._now()))
+
+    def split(self) -> dict:
+        if self._cuda:
+            self._marks[-1][1].synchronize()
+            elapsed = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        else:
+            elapsed = lambda a, b: (b - a) * 1e3  # noqa: E731
+        return {name: round(elapsed(prev, cur), 4) for (_, prev), (name, cur) in zip(self._marks, self._marks[1:])}
+
+
+def rehearse_round(backend, bs: int, budget: int, depth: int, vocab: int, device, hidden_size: int = 8,
+                   hidden_dtype=torch.bfloat16) -> int:
+    """One greedy and one sampled round of ``backend`` on synthetic inputs at batch ``bs`` (startup pre-warm:
+    compiles every kernel and sizes the backend's buffers); returns the bytes of the verify logits it used."""
+    width = budget + 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    draft = torch.randn((bs, depth, vocab), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    prefix = torch.full((bs,), 8, dtype=torch.int64, device=device)
+    backend.reserve(bs, budget, depth, vocab, mask_bytes=8 * bs * width + width * width * bs)
+    logprobs, ids = backend.topk(draft, min(budget, vocab))
+    trees = backend.build(logprobs, ids, budget, torch.zeros(bs, dtype=torch.int64, device=device))
+    backend.verify_inputs(trees, prefix, seq_lens_sum=8 * bs)
+    logits = torch.randn((bs, width, vocab), generator=gen, device=device, dtype=torch.float32)
+    backend.accept_greedy(trees, logits, depth)
+    acc = backend.accept_sampled(trees, logits, torch.ones(bs, dtype=torch.float32, device=device),
+                                 torch.arange(bs, dtype=torch.int64, device=device), prefix, depth)
+    slots = torch.arange(bs * width, dtype=torch.int64, device=device).view(bs, width)
+    plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), slots)
+    backend.gather_hidden(torch.zeros((bs * width, hidden_size), dtype=hidden_dtype, device=device), plan, width)
+    for flag in (getattr(backend, "tree_errors", None), getattr(backend, "commit_errors", None)):
+        if flag is not None:
+            flag.zero_()
+    return logits.numel() * logits.element_size()

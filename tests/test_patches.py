@@ -171,15 +171,42 @@ def test_graph_spec_info_is_tree_for_kdtree_target_only():
     calls = []
     original = lambda self, n: calls.append(n) or "original"  # noqa: E731
     runner = _Obj(model_runner=_Obj(spec_algorithm=_Obj(name="KDTREE"), is_draft_worker=False),
-                  buffers=_Obj(custom_mask=mask), captured_req_width=17)
+                  buffers=_Obj(custom_mask=mask), captured_req_width=17, max_bs=4)
     info = patch.get_spec_info(original, runner, 34)
     assert isinstance(info, KDTreeVerifyInput)
     assert info.custom_mask is mask and info.draft_token_num == 17 and info.topk == 2
+    # the captured input carries ancestor bits: views of one static buffer of the runner (max_bs rows)
+    assert tuple(info.ancestor_bits.shape) == (2, 17, 1) and info.ancestor_bits.dtype == torch.int32
+    small = patch.get_spec_info(original, runner, 17).ancestor_bits
+    assert tuple(small.shape) == (1, 17, 1) and small.data_ptr() == info.ancestor_bits.data_ptr()
+    assert getattr(runner, patch._STATIC_BITS).numel() == 4 * 17
     runner.model_runner.is_draft_worker = True
     assert patch.get_spec_info(original, runner, 16) == "original"
     runner.model_runner = _Obj(spec_algorithm=_Obj(name="DFLASH"), is_draft_worker=False)
     assert patch.get_spec_info(original, runner, 16) == "original"
     assert calls == [16, 16]
+
+
+def test_graph_replay_copies_the_rounds_ancestor_bits_into_the_static_buffer():
+    import torch
+
+    from sglang_kdtree.patches import verify_graph_spec_info as patch
+
+    runner = _Obj(model_runner=_Obj(spec_algorithm=_Obj(name="KDTREE"), is_draft_worker=False),
+                  buffers=_Obj(custom_mask=torch.ones(8, dtype=torch.bool)), captured_req_width=33, max_bs=3)
+    captured = patch.get_spec_info(lambda *a: None, runner, 3 * 33).ancestor_bits  # [3, 33, 2]
+    captured.fill_(-7)  # poison: whatever a replay reads must come from this round
+    live = torch.randint(-2**31, 2**31 - 1, (2, 33, 2), dtype=torch.int32)
+    batch = _Obj(spec_info=_Obj(ancestor_bits=live))
+    assert patch.load_batch(lambda self, fb: "staged", runner, batch) == "staged"
+    assert torch.equal(captured[:2], live)
+    assert bool((captured[2] == -7).all())  # padding rows untouched
+    too_big = _Obj(spec_info=_Obj(ancestor_bits=torch.zeros((4, 33, 2), dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="static buffer"):
+        patch.load_batch(lambda self, fb: None, runner, too_big)
+    # runners without the buffer (draft runner, other algorithms) are left alone
+    other = _Obj(model_runner=runner.model_runner)
+    assert patch.load_batch(lambda self, fb: "plain", other, batch) == "plain"
 
 
 def test_request_validation_refuses_logprobs_and_grammar_only_under_kdtree(monkeypatch):

@@ -35,7 +35,8 @@ from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.errors import raise_on_device_error
 
-__all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "MAX_WIDTH", "MAX_VOCAB"]
+__all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "accept_storage_numel", "carve_accept_result",
+           "MAX_WIDTH", "MAX_VOCAB"]
 
 #: verify width limit of the kernel's shared-memory tree (reference.MAX_BUDGET + 1)
 MAX_WIDTH = 1025
@@ -170,9 +171,20 @@ def _outputs(bs, width, max_depth, device, with_seq_lens, out):
             _require_tensor("out.new_seq_lens", out.new_seq_lens, torch.int64, 1, device)
         return out
     # one allocation for every output: allocator calls are a visible part of the launch cost
+    flat = torch.empty(accept_storage_numel(bs, width, max_depth), dtype=torch.int64, device=device)
+    return carve_accept_result(flat, bs, width, max_depth, with_seq_lens)
+
+
+def accept_storage_numel(bs: int, width: int, max_depth: int) -> int:
+    """int64 elements ``carve_accept_result`` needs for a batch of ``bs`` trees of width ``width``."""
+    return bs * (max_depth + 1 + width + 4)
+
+
+def carve_accept_result(flat, bs: int, width: int, max_depth: int, with_seq_lens: bool = True) -> GPUAcceptResult:
+    """A ``GPUAcceptResult`` whose fields are contiguous views of the int64 storage ``flat`` (at least
+    ``accept_storage_numel`` elements): pass it as ``out`` to reuse one buffer every round."""
     m = max_depth + 1
-    flat = torch.empty(bs * (m + width + 4), dtype=torch.int64, device=device)
-    parts = torch.split(flat, [bs * m, bs * width, bs, bs, bs, bs])
+    parts = flat[: accept_storage_numel(bs, width, max_depth)].split([bs * m, bs * width, bs, bs, bs, bs])
     return GPUAcceptResult(
         accepted=parts[0].view(bs, m),
         accept_lens=parts[2],

@@ -153,7 +153,7 @@ def _kernel(module: str, name: str):
     return runtime.load_module(module).get_function(name)
 
 
-def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommitPlan:
+def commit_plan(accepted, accept_lens, verify_slots, *, errors=None, storage=None) -> GPUCommitPlan:
     """KV moves and hidden rows that commit the accepted paths; twin of ``reference.commit_plan``.
 
     Args:
@@ -161,6 +161,8 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommi
         accept_lens: ``[bs]`` int64 tau.
         verify_slots: ``[bs, N]`` int64 or int32 KV slot of node i during verify (= position P+i after).
         errors: optional ``int32 [1]`` flag to OR into (e.g. the accept result's); a new one otherwise.
+        storage: optional int64 CUDA tensor of at least ``3 * bs * M`` elements that holds the plan's three
+            ``[bs, M]`` arrays (reused across rounds by the worker); else they are allocated.
 
     An invalid path (tau outside [1, min(M, N)], not starting at 0, not strictly increasing, a node
     >= N) sets bit 64 and leaves that request's rows -1, which ``compact_kv`` and ``gather_hidden`` skip.
@@ -186,14 +188,13 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None) -> GPUCommi
         verify_slots = verify_slots.contiguous()
     device = accepted.device
     errors = new_error_flag(device) if errors is None else errors
-    kw = dict(dtype=torch.int64, device=device)
-    plan = GPUCommitPlan(
-        src_slots=torch.empty((bs, m), **kw),
-        dst_slots=torch.empty((bs, m), **kw),
-        hidden_rows=torch.empty((bs, m), **kw),
-        accept_lens=accept_lens,
-        errors=errors,
-    )
+    if storage is None:
+        storage = torch.empty(3 * bs * m, dtype=torch.int64, device=device)
+    elif storage.dtype != torch.int64 or storage.device != device or storage.numel() < 3 * bs * m:
+        raise ValueError(f"storage must be int64 on {device} with >= {3 * bs * m} elements, got {storage.dtype} "
+                         f"{storage.numel()} on {storage.device}")
+    src, dst, rows = storage[: 3 * bs * m].view(3, bs, m).unbind(0)
+    plan = GPUCommitPlan(src_slots=src, dst_slots=dst, hidden_rows=rows, accept_lens=accept_lens, errors=errors)
     if bs == 0 or m == 0:
         return plan
     name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
@@ -263,13 +264,14 @@ def compact_kv(kv, plan, *, errors=None):
     return errors
 
 
-def gather_hidden(hidden, plan, *, errors=None):
+def gather_hidden(hidden, plan, *, errors=None, out=None):
     """The accepted rows of the verify hidden states, packed per request; twin of ``reference.gather_hidden``.
 
     Args:
         hidden: ``[bs*N, D]`` CUDA tensor (any dtype; rows contiguous).
         plan: ``GPUCommitPlan`` (uses ``hidden_rows`` ``[bs, M]``).
         errors: ``int32 [1]`` flag to OR into (default ``plan.errors``).
+        out: optional contiguous ``[bs, M, D]`` tensor of hidden's dtype to write into (else allocated).
 
     Returns:
         ``[bs, M, D]`` tensor of hidden's dtype: row j < tau of request b is ``hidden[b*N + accepted[b, j]]``
@@ -292,7 +294,11 @@ def gather_hidden(hidden, plan, *, errors=None):
             errors = new_error_flag(hidden.device)
     bs, m = rows.shape
     d = hidden.shape[1]
-    out = torch.empty((bs, m, d), dtype=hidden.dtype, device=hidden.device)
+    if out is None:
+        out = torch.empty((bs, m, d), dtype=hidden.dtype, device=hidden.device)
+    elif tuple(out.shape) != (bs, m, d) or out.dtype != hidden.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {hidden.dtype} [{bs}, {m}, {d}] tensor, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if out.numel() == 0:
         return out
     esize = hidden.element_size()

@@ -40,6 +40,8 @@ __all__ = [
     "choose_num_splits",
     "ancestor_bits_from_parents",
     "synthetic_inputs",
+    "launch_count",
+    "prepare",
 ]
 
 KV_LORA_RANK = 512
@@ -53,6 +55,7 @@ _LDS = QK_HEAD_DIM + 8
 _SMEM_BYTES = 2 * (_ROW_TILE * _LDS + 2 * _KEY_TILE * _LDS + _ROW_TILE * (_KEY_TILE + 8)) + 4 * 4 * _ROW_TILE
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 256  # below this the merge pass costs more than the extra parallelism gains
+_GRAPH_MEAN_PREFIX = 4096  # context the split factor is planned for when the launch is captured in a CUDA graph
 
 
 @functools.cache
@@ -64,6 +67,29 @@ def _kernels():
         fn.max_dynamic_shared_size_bytes = _SMEM_BYTES
     fns["merge"] = module.get_function("mla_tree_verify_merge")
     return fns
+
+
+@functools.cache
+def _launch_counter(device_index: int) -> torch.Tensor:
+    """``uint64 [1]`` (stored as int64) count of ``mla_tree_verify`` launches on a device; every launch adds one
+    on the device, so a launch recorded in a CUDA graph counts at each replay."""
+    return torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", device_index))
+
+
+def prepare(device) -> None:
+    """Compile the kernels and create ``device``'s launch counter: call before a CUDA graph that will record
+    the kernel is captured (neither a compile nor a fresh counter may happen inside a capture)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    _kernels()
+    _launch_counter(index)
+
+
+def launch_count(device=None) -> int:
+    """How many times the fused tree-verify kernel has run on ``device`` (eagerly or in graph replays) in this
+    process; syncs. The worker's round log records it, which is how a CUDA server shows the kernel ran."""
+    index = torch.device(device).index if device is not None else torch.cuda.current_device()
+    return int(_launch_counter(index if index is not None else torch.cuda.current_device()).item())
 
 
 @functools.cache
@@ -183,6 +209,11 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
     rows = q.shape[0] * heads
     rows_per_request = width * heads
     if num_splits is None:
+        if torch.cuda.is_current_stream_capturing():
+            # A captured graph replays one split factor for every context, and SGLang's graph buffers (kv_indices,
+            # req_to_token) are sized for the longest: plan for a nominal context instead (any split factor is
+            # exact; this only bounds the partial-state scratch the graph keeps).
+            mean_prefix = min(mean_prefix, _GRAPH_MEAN_PREFIX)
         num_splits = choose_num_splits(batch, rows_per_request, mean_prefix + width, _num_sms(q.device.index or 0))
     _require(
         isinstance(num_splits, int) and 1 <= num_splits <= 4096,
@@ -210,6 +241,7 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
         np.int32(width), np.int32(heads), np.int32(words), np.int32(num_splits),
         np.float32(sm_scale * math.log2(math.e)),
         ptr(out.data_ptr()), ptr(lse.data_ptr()), ptr(part_o_ptr), ptr(part_ml_ptr), np.int64(rows),
+        ptr(_launch_counter(q.device.index or 0).data_ptr()),
     )
     with runtime.current_stream():
         fn(grid, (_THREADS,), args, shared_mem=_SMEM_BYTES)

@@ -149,3 +149,38 @@ def test_paged_addressing_matches_csr():
                           case["sm_scale"], out=out, lse=lse, num_splits=1)
     torch.cuda.synchronize()
     assert torch.equal(out, csr_out) and torch.equal(lse, csr_lse)
+
+
+def test_launch_counter_counts_eager_calls_and_graph_replays():
+    """The counter the CUDA server's round log reports: +1 per eager launch and +1 per replay of a graph
+    that recorded one (split-K launches count once: the merge is not the fused kernel)."""
+    from sglang_kdtree.gpu import mla_attention
+
+    case = synthetic_inputs(2, 17, 8, [300, 40], seed=5)
+    mla_attention.prepare(case["q"].device)
+    before = mla_attention.launch_count()
+    _run(case)
+    _run(case, num_splits=3)
+    assert mla_attention.launch_count() == before + 2
+    tokens, heads = case["q"].shape[:2]
+    out = torch.empty((tokens, heads, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((tokens, heads), dtype=torch.float32, device="cuda")
+    args = (case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
+            case["ancestor_bits"], case["sm_scale"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_tree_verify(*args, out=out, lse=lse)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_tree_verify(*args, out=out, lse=lse)
+    start = mla_attention.launch_count()
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert mla_attention.launch_count() == start + 3
+    ref_out, ref_lse = _reference(case)
+    _check(out, lse, ref_out, ref_lse)

@@ -85,3 +85,63 @@ def test_gpu_backend_round_equals_reference_backend(bs, budget, depths, vocab):
     cg = gpu.commit_plan(ag.accepted, ag.accept_lens, slots.to(cuda))
     for field in ("src_slots", "dst_slots", "hidden_rows"):
         assert torch.equal(getattr(cg, field).cpu().to(torch.int64), getattr(cr, field)), field
+
+
+def _poison_backend(gpu):
+    b = gpu._builder
+    for t in (b.logprobs, b.token_ids, b.trees.tokens, b.trees.parents, b.trees.num_nodes, b.verify.full_mask,
+              b.verify.ancestor_bits, b.verify.input_ids, gpu._accept_storage, gpu._plan_storage):
+        t.fill_(True if t.dtype == torch.bool else (-3 if not t.is_floating_point() else float("nan")))
+
+
+def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
+    """The worker's path: ``reserve`` then bf16 draft logits as they are, rounds of growing batch and context
+    into the same (poisoned) buffers; every step equals the reference, and a round that fits allocates
+    nothing new (same storage addresses)."""
+    cuda = torch.device("cuda")
+    ref = pipeline.ReferenceBackend(torch.device("cpu"))
+    gpu = pipeline.select_backend(cuda)
+    budget, depths, vocab = 24, 7, 3001
+    width = budget + 1
+    addresses = None
+    for round_no, (bs, max_len) in enumerate([(2, 50), (5, 400), (3, 100), (5, 400)]):
+        gen = torch.Generator().manual_seed(100 * bs + max_len)  # rounds 1 and 3: the same inputs
+        seq_lens = torch.randint(1, max_len, (bs,), generator=gen)
+        gpu.reserve(bs, budget, depths, vocab, mask_bytes=int(seq_lens.sum()) * width + width * width * bs)
+        _poison_backend(gpu)
+        logits = (torch.randn((bs, depths, vocab), generator=gen) * 3).to(torch.bfloat16)
+        lp_r, id_r = ref.topk(logits, budget)
+        lp_g, id_g = gpu.topk(logits.to(cuda), budget)
+        assert torch.equal(id_g.cpu(), id_r)
+        torch.testing.assert_close(lp_g.cpu(), lp_r, rtol=0, atol=2e-6)
+        roots = torch.randint(0, vocab, (bs,), generator=gen)
+        tr = ref.build(lp_r, id_r, budget, roots)
+        tg = gpu.build(lp_g, id_g, budget, roots.to(cuda))
+        for field in TREE_FIELDS:
+            assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), field
+        vr = ref.verify_inputs(tr, seq_lens, int(seq_lens.sum()))
+        vg = gpu.verify_inputs(tg, seq_lens.to(cuda), seq_lens_sum=int(seq_lens.sum()))
+        for field in VERIFY_FIELDS:
+            assert torch.equal(getattr(vg, field).cpu().to(getattr(vr, field).dtype), getattr(vr, field)), field
+        target = target_following_the_tree(tr, vocab, 0.8, gen)
+        ar = ref.accept_greedy(tr, target, depths)
+        ag = gpu.accept_greedy(tg, target.to(cuda), depths)
+        assert torch.equal(ag.accept_lens.cpu(), ar.accept_lens)
+        assert torch.equal(ag.accepted.cpu(), ar.accepted)
+        slots = torch.randperm(10 * bs * width, generator=gen)[: bs * width].view(bs, width)
+        cr = ref.commit_plan(ar.accepted, ar.accept_lens, slots)
+        cg = gpu.commit_plan(ag.accepted, ag.accept_lens, slots.to(cuda))
+        for field in ("src_slots", "dst_slots", "hidden_rows"):
+            assert torch.equal(getattr(cg, field).cpu(), getattr(cr, field)), field
+        hidden = torch.randn((bs * width, 64), generator=gen).to(torch.bfloat16)
+        hr = ref.gather_hidden(hidden, cr, width)
+        hg = gpu.gather_hidden(hidden.to(cuda), cg, width).cpu()
+        for b in range(bs):
+            tau = int(ar.accept_lens[b])
+            assert torch.equal(hg[b, :tau], hr[b, :tau])
+        assert int(gpu.tree_errors.item()) == 0 and int(gpu.commit_errors.item()) == 0
+        now = (lp_g.data_ptr(), tg.tokens.data_ptr(), vg.full_mask.data_ptr(), ag.accepted.data_ptr(),
+               cg.src_slots.data_ptr(), hg.shape)
+        if round_no == 3:
+            assert now[:5] == addresses[:5], "a round that fits the reserved buffers must not reallocate"
+        addresses = now

@@ -1,0 +1,118 @@
+"""CPU checks of the round's plumbing that the CUDA server relies on: device error flags end only the flagged
+requests (``KDTreeWorker._round_faults``), the commit helpers shared by both backends, the grow-only buffer
+rule and the round log's time split."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from sglang_kdtree import pipeline
+from sglang_kdtree.worker import KDTreeWorker, _RoundMarks
+
+
+def _fake_worker(tree_bits=0, commit_bits=0):
+    backend = types.SimpleNamespace(tree_errors=torch.tensor([tree_bits], dtype=torch.int32),
+                                    commit_errors=torch.tensor([commit_bits], dtype=torch.int32))
+    return types.SimpleNamespace(backend=backend)
+
+
+def _batch(bs):
+    return types.SimpleNamespace(reqs=[types.SimpleNamespace(rid=f"r{b}", to_finish=None) for b in range(bs)])
+
+
+def _round(bs, req_bits=None, bad_plan_rows=(), nan_rows=()):
+    acc = types.SimpleNamespace(errors=torch.tensor(req_bits or [0] * bs, dtype=torch.int64))
+    src = torch.arange(bs * 3, dtype=torch.int64).view(bs, 3)
+    for b in bad_plan_rows:
+        src[b] = -1
+    plan = types.SimpleNamespace(src_slots=src)
+    logprobs = torch.log_softmax(torch.randn(bs, 2, 4), dim=-1)
+    logprobs[:, :, -1] = float("-inf")  # impossible tokens are legitimate, never a fault
+    for b in nan_rows:
+        logprobs[b, 1, 0] = float("nan")
+    return acc, plan, logprobs
+
+
+def test_clean_round_ends_nobody():
+    worker, batch = _fake_worker(), _batch(3)
+    KDTreeWorker._round_faults(worker, batch, *_round(3))
+    assert all(r.to_finish is None for r in batch.reqs)
+
+
+def test_per_request_accept_bits_end_only_that_request():
+    worker, batch = _fake_worker(), _batch(4)
+    KDTreeWorker._round_faults(worker, batch, *_round(4, req_bits=[0, 8, 0, 0]))
+    assert [r.to_finish is not None for r in batch.reqs] == [False, True, False, False]
+    message = batch.reqs[1].to_finish.message
+    assert "KDTREE" in message and "NaN in a visited target logits row" in message
+
+
+def test_draft_flag_is_traced_to_the_request_with_nan_logprobs_and_cleared():
+    worker, batch = _fake_worker(tree_bits=8), _batch(3)
+    KDTreeWorker._round_faults(worker, batch, *_round(3, nan_rows=[2]))
+    assert [r.to_finish is not None for r in batch.reqs] == [False, False, True]
+    assert "draft: logprobs contains NaN" in batch.reqs[2].to_finish.message
+    assert int(worker.backend.tree_errors[0]) == 0  # read once, reset for the next round
+
+
+def test_commit_flag_is_traced_to_the_invalid_plan_row():
+    worker, batch = _fake_worker(commit_bits=64), _batch(3)
+    KDTreeWorker._round_faults(worker, batch, *_round(3, bad_plan_rows=[0]))
+    assert [r.to_finish is not None for r in batch.reqs] == [True, False, False]
+    assert "commit:" in batch.reqs[0].to_finish.message and int(worker.backend.commit_errors[0]) == 0
+
+
+def test_untraceable_flag_ends_the_whole_batch_rather_than_serving_wrong_tokens():
+    worker, batch = _fake_worker(commit_bits=128), _batch(2)
+    KDTreeWorker._round_faults(worker, batch, *_round(2))
+    assert all(r.to_finish is not None for r in batch.reqs)
+
+
+def test_reference_backend_reads_no_flags():
+    worker = types.SimpleNamespace(backend=pipeline.ReferenceBackend("cpu"))
+    batch = _batch(1)
+    acc = types.SimpleNamespace(accepted=None)  # the reference's result carries no error words
+    KDTreeWorker._round_faults(worker, batch, acc, None, None)
+    assert batch.reqs[0].to_finish is None
+
+
+def test_reference_gather_hidden_takes_the_accepted_rows_not_the_first_tau():
+    backend = pipeline.ReferenceBackend("cpu")
+    hidden = torch.arange(2 * 5 * 3, dtype=torch.float32).view(10, 3)
+    plan = types.SimpleNamespace(hidden_rows=torch.tensor([[0, 2, 3, -1], [5, 9, -1, -1]]))
+    out = backend.gather_hidden(hidden, plan, width=3)
+    assert out.shape == (2, 3, 3)
+    assert torch.equal(out[0], hidden[[0, 2, 3]])
+    assert torch.equal(out[1, :2], hidden[[5, 9]])
+
+
+def test_move_kv_with_sglang_moves_only_changed_rows():
+    calls = []
+    pool = types.SimpleNamespace(move_kv_cache=lambda dst, src: calls.append((dst.tolist(), src.tolist())))
+    plan = types.SimpleNamespace(src_slots=torch.tensor([[10, 12, -1], [20, 21, 22]]),
+                                 dst_slots=torch.tensor([[10, 11, -1], [20, 21, 22]]))
+    pipeline.move_kv_with_sglang(pool, plan)
+    assert calls == [([11], [12])]
+    calls.clear()
+    pipeline.move_kv_with_sglang(pool, types.SimpleNamespace(src_slots=plan.dst_slots, dst_slots=plan.dst_slots))
+    assert calls == []  # nothing moves: no call at all
+
+
+@pytest.mark.parametrize("current, needed, expect", [(0, 5, 5), (8, 5, 8), (8, 9, 16), (8, 40, 40)])
+def test_buffers_grow_at_least_twofold_and_never_shrink(current, needed, expect):
+    assert pipeline._grown(current, needed) == expect
+
+
+def test_round_marks_split_in_order_and_off_by_default():
+    marks = _RoundMarks("cpu", enabled=True)
+    for name in ("draft", "tree", "verify", "accept_commit"):
+        marks.mark(name)
+    split = marks.split()
+    assert list(split) == ["draft", "tree", "verify", "accept_commit"]
+    assert all(v >= 0 for v in split.values())
+    off = _RoundMarks("cpu", enabled=False)
+    off.mark("draft")
+    assert off.split() == {}
