@@ -16,6 +16,10 @@ ancestor rows. A call is routed to it only when every condition holds; anything 
 * absorbed MLA with one latent head (q/k width 576, v width 512), a bf16 pool without k/v scales, no sinks,
   ``score_mod``, logit cap, sliding window, DCP or context parallelism;
 * fa3 only: page size 1 (its page table then lists token slots).
+
+Option ``SGLANG_KDTREE_MLA`` (read when the plugin registers): ``fused`` (default) registers the hooks;
+``off`` leaves SGLang's MLA verify path in place (for A/B comparisons of the verify logits; see
+``tests/gpu/test_server_cuda.py``).
 """
 
 from __future__ import annotations
@@ -149,11 +153,29 @@ def _cp_active(forward_batch) -> bool:
     return bool(is_cp_active(forward_batch))
 
 
+ENV_OPTION = "SGLANG_KDTREE_MLA"
+OPTIONS = ("fused", "off")
+
+
+def option() -> str:
+    """The normalised ``SGLANG_KDTREE_MLA`` value; an unknown value is an error at registration."""
+    import os
+
+    value = os.environ.get(ENV_OPTION, "fused").strip().lower() or "fused"
+    if value not in OPTIONS:
+        raise ValueError(f"kdtree: {ENV_OPTION}={value!r} is not one of {'|'.join(OPTIONS)}; unset it or pick one")
+    return value
+
+
 def register() -> None:
     """Register both AROUND hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     import torch
+
+    if option() == "off":
+        logger.info("sglang-kdtree: %s=off, MLA tree verify keeps SGLang's attention path", ENV_OPTION)
+        return
 
     HookRegistry.register(TRITON_TARGET, triton_forward_extend, HookType.AROUND)
     # fa3's module needs libcuda at import; on a machine without CUDA there is nothing to wrap, and SGLang

@@ -55,6 +55,13 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 #: Environment variable naming a file that receives one JSON line per decode round (tests, analysis).
 ROUND_LOG_ENV = "KDTREE_ROUND_LOG"
 
+#: Diagnostic: a file prefix; the worker saves ``PREFIX.<round>.pt`` with the verify input ids, positions and the
+#: first ``DUMP_COLUMNS`` columns of the target's verify logits for its first ``DUMP_ROUNDS`` decode rounds (the
+#: CUDA server test compares the fused MLA kernel's logits against SGLang's attention path with it).
+DUMP_ENV = "KDTREE_DUMP_VERIFY"
+DUMP_ROUNDS = 4
+DUMP_COLUMNS = 2048
+
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
 ACTIVE_BLOCK_SIZE: int | None = None
 
@@ -116,6 +123,8 @@ class KDTreeWorker(DFlashWorkerV2):
         # Opt-in per-round record (one JSON line per round) for tests and offline analysis; costs a host
         # sync per round, so it is off unless the variable names a file.
         self._round_log = os.environ.get(ROUND_LOG_ENV) or None
+        self._dump_prefix = os.environ.get(DUMP_ENV) or None
+        self._dumped = 0
         logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend",
                     self.budget, self.verify_width, block_size, self.backend.name)
 
@@ -439,6 +448,11 @@ class KDTreeWorker(DFlashWorkerV2):
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits[:, : self.vocab_size].reshape(bs, width, -1)
         marks.mark("verify")
+        if self._dump_prefix is not None and self._dumped < DUMP_ROUNDS:
+            torch.save({"input_ids": verify.input_ids.cpu(), "positions": verify.positions.cpu(),
+                        "logits": logits[:, :, :DUMP_COLUMNS].float().cpu(), "graph": target_out.can_run_cuda_graph},
+                       f"{self._dump_prefix}.{self._dumped}.pt")
+            self._dumped += 1
 
         # 6: accept
         sampling = batch.sampling_info
