@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Issue 12 on the H200 in one call: real CUDA SGLang servers with our plugin, plain vs KDTREE, token for token
+# (tests/gpu/test_server_cuda.py), through the test-only sgl_kernel stand-in (tests/e2e/sgl_kernel_cuda).
+# Logs land in $OUT (server logs under $OUT/servers), a short table prints last.
+#
+# The call (from the repo root; .whl / .whl-server from ../shared/device/fetch-sglang-wheels.sh):
+#   run(command="bash benchmarks/device_server.sh", carry=[".whl", ".whl-server", ".tiny_models",
+#       ".jitcache-server"], timeout_s=600, kind="nvidia-h200")
+# .tiny_models (optional, ~1 MB): `python tests/e2e/make_tiny_models.py .tiny_models` built on any machine;
+#   without it the models are built here (about a minute of CPU).
+# .jitcache-server (optional): SGLang's JIT modules a previous call built, returned in $OUT/jitcache-server
+#   (carry them back to skip the nvcc compiles; the cache checks its own build keys).
+# Knobs: DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
+#   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
+#   tests/e2e/cuda_servers.py's CLI instead of pytest), KDTREE_KIMI_MODELS (adds the Kimi-shaped variants).
+set -uo pipefail
+START=$(date +%s)
+DEADLINE=${DEADLINE:-575}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+: > "$OUT/steps.txt"
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $OUT/NAME.log
+step() {
+  local name=$1 cap=$2; shift 2
+  local budget; budget=$(left); [ "$cap" -gt "$budget" ] && cap=$budget
+  [ "$cap" -le 0 ] && { echo "$name SKIPPED (no time left)" >> "$OUT/steps.txt"; return 124; }
+  local t0; t0=$(date +%s)
+  timeout --kill-after=5 "$cap" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
+  return $rc
+}
+
+step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-server/*.whl
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+step editable 90 pip install -q --no-deps --no-build-isolation -e .
+python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
+
+export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
+mkdir -p "$SGLANG_JIT_CACHE_DIR"
+[ -d .jitcache-server ] && cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
+
+export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.tiny_models}
+[ -d "$KDTREE_TINY_MODELS" ] || KDTREE_TINY_MODELS=/tmp/tiny_models
+step models 200 python3 -c "
+import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
+import make_tiny_models as m; print(m.ensure_built(Path('$KDTREE_TINY_MODELS'), log=print))"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+export KDTREE_SERVER_LOGS="$OUT/servers"
+mkdir -p "$KDTREE_SERVER_LOGS"
+# leave ~25 s for copying logs and printing the table
+TEST_CAP=$(( $(left) - 25 ))
+export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
+if [ -n "${PROBE:-}" ]; then
+  # shellcheck disable=SC2086
+  step probe "$TEST_CAP" python3 tests/e2e/cuda_servers.py $PROBE --out "$KDTREE_SERVER_LOGS"
+else
+  # shellcheck disable=SC2086
+  step tests "$TEST_CAP" python3 -m pytest -q -p no:cacheprovider -rfEs -m "gpu and slow" \
+    ${TESTS:-tests/gpu/test_server_cuda.py}
+fi
+
+# bring SGLang's JIT modules back (carry them as .jitcache-server next time) when they are small enough
+if [ "$(du -sm "$SGLANG_JIT_CACHE_DIR" | cut -f1)" -lt 40 ]; then
+  cp -a "$SGLANG_JIT_CACHE_DIR" "$OUT/jitcache-server" 2>/dev/null
+fi
+
+echo "== steps"; cat "$OUT/steps.txt"
+[ -f "$OUT/tests.log" ] && { grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12; tail -2 "$OUT/tests.log"; }
+for f in "$KDTREE_SERVER_LOGS"/*.log; do
+  [ -f "$f" ] || continue
+  # the first error line of each server that logged one
+  e=$(grep -m1 -E "Error|error:|Traceback|NotImplementedError" "$f" | cut -c1-160)
+  [ -n "$e" ] && echo "$(basename "$f"): $e"
+done
+echo "== table"
+[ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
+[ -f "$OUT/probe.log" ] && tail -30 "$OUT/probe.log"
+true

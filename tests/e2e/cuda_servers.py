@@ -1,0 +1,368 @@
+"""Real SGLang servers on a CUDA GPU, plain vs ``--speculative-algorithm kdtree``, for the GPU tests and
+``benchmarks/device_server.sh``.
+
+What is real and what is not: SGLang's launcher, scheduler, model runner, CUDA-graph runners, memory pool,
+Triton attention and fused-MoE kernels, its JIT kernels (``sglang.kernels.ops``), and all of sglang-kdtree,
+run as shipped. What the GPU machine cannot have (the ``sglang-kernel`` binary wheel, built for SGLang's
+pinned torch; ``soundfile``; the CUTLASS DSL) is replaced by the test-only stand-in in
+``tests/e2e/sgl_kernel_cuda`` (see its ``sgl_kernel/__init__.py`` and ``sitecustomize.py``), put first on
+every server's ``PYTHONPATH``.
+
+Every server of one comparison set starts at once (distinct ports; each one's KV pool is capped by
+``--max-total-tokens``, and ``--mem-fraction-static`` leaves room for the neighbours that grow while it
+profiles), then ``NUM_PROMPTS`` greedy prompts of mixed lengths go to each, concurrently, by ``input_ids``.
+
+CLI (used by ``benchmarks/device_server.sh`` to probe a first run; the test is
+``tests/gpu/test_server_cuda.py``)::
+
+    python tests/e2e/cuda_servers.py --models llama,dsv3 --modes graph --dtypes float32 --out DIR
+
+writes ``DIR/summary.json`` and one log per server, and prints one line per comparison.
+
+Environment: ``KDTREE_TINY_MODELS`` (the tiny models, built with ``make_tiny_models.py`` if missing),
+``KDTREE_KIMI_MODELS`` (the Kimi-shaped target as ``DIR/kimi`` with its drafter ``DIR/kimi-dflash``;
+variants ``kimi`` and ``kimi-marlin`` exist only when it is set), ``KDTREE_CUDA_STARTUP_TIMEOUT``
+(default 420 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STANDIN_DIR = HERE / "sgl_kernel_cuda"
+REPO = HERE.parent.parent
+
+sys.path.insert(0, str(HERE))
+import make_tiny_models as tiny  # noqa: E402
+
+STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_CUDA_STARTUP_TIMEOUT", "420"))
+NUM_PROMPTS = 40
+NEW_TOKENS = 32
+VERIFY_WIDTH = 17  # --speculative-num-draft-tokens: 16 tree nodes + the root
+MAX_RUNNING = 48  # >= NUM_PROMPTS, so every prompt is in flight at once
+DECODE_GRAPH_BS = [1, 2, 4, 8, 16, 24, 32, 40, 48]
+PREFILL_GRAPH_TOKENS = [64, 256, 1024]
+
+# TEMPORARY (see tests/e2e/sgl_kernel_cuda/sitecustomize.py): KDTreeWorker.prewarm_sampling rehearses
+# DFLASH's sampled verify, whose kernel needs FlashInfer; drop once the worker rehearses its own path.
+STANDIN_ENV = {"KDTREE_STANDIN_SKIP_DFLASH_SAMPLING_PREWARM": "1"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One target (and its DFlash drafter) served plain and with KDTREE under the same settings."""
+
+    name: str
+    target: Path
+    drafter: Path
+    dtype: str
+    env: dict = field(default_factory=dict)
+
+
+def tiny_models_dir() -> Path:
+    root = Path(os.environ.get("KDTREE_TINY_MODELS", REPO / ".tiny_models"))
+    tiny.ensure_built(root)
+    return root
+
+
+def variants(dtype: str = "float32") -> dict[str, Variant]:
+    """The comparison targets: the tiny Llama and DeepSeek-V3 (fp32 checkpoints, served in ``dtype``),
+    and the Kimi-shaped W4A16 target when ``KDTREE_KIMI_MODELS`` is set (bf16: Marlin needs it), with
+    SGLang's own MoE path and with ``SGLANG_KDTREE_MOE=marlin``."""
+    root = tiny_models_dir()
+    out = {name: Variant(name, root / name, root / f"{name}-dflash", dtype) for name in ("llama", "dsv3")}
+    kimi = os.environ.get("KDTREE_KIMI_MODELS")
+    if kimi:
+        k = Path(kimi)
+        out["kimi"] = Variant("kimi", k / "kimi", k / "kimi-dflash", "bfloat16")
+        out["kimi-marlin"] = Variant("kimi-marlin", k / "kimi", k / "kimi-dflash", "bfloat16",
+                                     {"SGLANG_KDTREE_MOE": "marlin"})
+    return out
+
+
+def prompts(count: int = NUM_PROMPTS, seed: int = 11) -> list[list[int]]:
+    """Mixed lengths 1..48 (a few fixed short/long ones, the rest random) over the tiny vocabulary's words
+    (the Kimi-shaped target's vocabulary contains them too)."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 48] + [rng.randint(1, 48) for _ in range(count - 9)]
+    return [[rng.randrange(tiny.NUM_WORDS) for _ in range(n)] for n in lengths]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(STANDIN_ENV)
+    env.update(extra or {})
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(STANDIN_DIR), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    return env
+
+
+def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) -> list[str]:
+    args = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(variant.target),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", variant.dtype,
+        "--attention-backend", "triton",
+        "--sampling-backend", "pytorch",
+        "--page-size", "1",
+        "--disable-overlap-schedule",
+        "--disable-radix-cache",
+        "--mem-fraction-static", "0.15",
+        "--max-total-tokens", "32768",
+        "--max-running-requests", str(MAX_RUNNING),
+        "--chunked-prefill-size", "1024",
+        "--skip-server-warmup",
+        "--log-level", "info",
+    ]
+    if cuda_graph:
+        args += ["--cuda-graph-max-bs-decode", str(max(DECODE_GRAPH_BS)),
+                 "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BS),
+                 "--cuda-graph-bs-prefill", *map(str, PREFILL_GRAPH_TOKENS)]
+    else:
+        args += ["--disable-cuda-graph"]
+    if kdtree:
+        args += ["--speculative-algorithm", "kdtree",
+                 "--speculative-draft-model-path", str(variant.drafter),
+                 "--speculative-num-draft-tokens", str(VERIFY_WIDTH)]
+    return args
+
+
+class CudaServer:
+    """A ``sglang.launch_server`` subprocess on 127.0.0.1; ``stop()`` ends its whole process group."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
+        self.name = name
+        self.args = args
+        self.port = int(args[args.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.round_log: Path | None = (Path(env["KDTREE_ROUND_LOG"]) if env and "KDTREE_ROUND_LOG" in env
+                                       else None)
+        self.ready_s: float | None = None
+        self._log = open(log_path, "wb")
+        self._started = time.time()
+        self.proc = subprocess.Popen(args, env=server_env(env), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=str(REPO))
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 80) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def poll_ready(self) -> bool | None:
+        """True once healthy, None while starting; raises if the process died."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode} during startup:\n"
+                               f"{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    self.ready_s = time.time() - self._started
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        return None
+
+    def generate(self, payload: dict, timeout: float = 600) -> dict:
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        try:  # scheduler / detokenizer share the group: none may outlive the run
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not self._log.closed:
+            self._log.close()
+
+
+def server_name(variant: Variant, kdtree: bool, cuda_graph: bool) -> str:
+    return f"{variant.name}-{variant.dtype}-{'kdtree' if kdtree else 'plain'}-{'graph' if cuda_graph else 'eager'}"
+
+
+def start_servers(plan: list[tuple[Variant, bool, bool]], log_dir: Path) -> dict[str, CudaServer]:
+    """Start every (variant, kdtree, cuda_graph) of ``plan`` at once; KDTREE servers write a round log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    for variant, kdtree, cuda_graph in plan:
+        name = server_name(variant, kdtree, cuda_graph)
+        env = dict(variant.env)
+        if kdtree:
+            round_log = log_dir / f"rounds-{name}.jsonl"
+            round_log.unlink(missing_ok=True)
+            env["KDTREE_ROUND_LOG"] = str(round_log)
+        args = server_args(variant, free_port(), kdtree=kdtree, cuda_graph=cuda_graph)
+        servers[name] = CudaServer(name, args, log_dir / f"{name}.log", env)
+    return servers
+
+
+def wait_all(servers: dict[str, CudaServer], timeout: float = STARTUP_TIMEOUT_S) -> dict[str, str]:
+    """Wait until every server is healthy or failed; returns ``{name: error}`` for the failed ones (those
+    are stopped). Never raises for one server, so one failure does not hide the others' results."""
+    deadline = time.time() + timeout
+    pending, failed = dict(servers), {}
+    while pending and time.time() < deadline:
+        for name, server in list(pending.items()):
+            try:
+                if server.poll_ready():
+                    del pending[name]
+            except RuntimeError as exc:
+                failed[name] = str(exc)
+                del pending[name]
+        time.sleep(1.0)
+    for name, server in pending.items():
+        failed[name] = f"{name}: not healthy after {timeout:.0f}s:\n{server.log_tail()}"
+        server.stop()
+    return failed
+
+
+def greedy_payload(prompt: list[int]) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+
+
+def run_prompts(server: CudaServer, batch: list[list[int]]) -> list[dict]:
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+        return list(pool.map(lambda p: server.generate(greedy_payload(p)), batch))
+
+
+def first_mismatch(a: list[dict], b: list[dict]) -> str | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x["output_ids"] != y["output_ids"]:
+            j = next((k for k, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])) if s != t),
+                     min(len(x["output_ids"]), len(y["output_ids"])))
+            return f"prompt {i}: first differing output index {j}: {x['output_ids']} vs {y['output_ids']}"
+    return None
+
+
+def round_records(server: CudaServer) -> list[dict]:
+    if server.round_log is None or not server.round_log.exists():
+        return []
+    return [json.loads(line) for line in server.round_log.read_text().splitlines() if line.strip()]
+
+
+def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=None) -> dict:
+    """Serve every variant plain and KDTREE in every CUDA-graph mode at once; return a JSON-able summary
+    (per server: ready time or error, outputs; per pair: identical or the first mismatch)."""
+    batch = batch or prompts()
+    plan = [(v, kd, g) for v in variants_ for g in modes for kd in (False, True)]
+    servers = start_servers(plan, log_dir)
+    summary: dict = {"servers": {}, "pairs": {}, "num_prompts": len(batch), "new_tokens": NEW_TOKENS}
+    try:
+        failed = wait_all(servers)
+        outputs = {}
+        live = [n for n in servers if n not in failed]
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            futures = {n: pool.submit(run_prompts, servers[n], batch) for n in live}
+            for name, fut in futures.items():
+                try:
+                    outputs[name] = fut.result()
+                except Exception as exc:  # noqa: BLE001  (recorded, reported, asserted by the caller)
+                    failed[name] = f"{name}: generate failed: {exc!r}\n{servers[name].log_tail()}"
+        for name, server in servers.items():
+            log = server.log_text()
+            rec = {"ready_s": server.ready_s, "error": failed.get(name), "log": str(server.log_path),
+                   "gpu_backend": "gpu backend" in log}
+            if name in outputs:
+                rec["output_ids"] = [r["output_ids"] for r in outputs[name]]
+                rec["completion_tokens"] = sum(r["meta_info"]["completion_tokens"] for r in outputs[name])
+                verify = sum(r["meta_info"].get("spec_verify_ct", 0) for r in outputs[name])
+                rec["spec_verify_ct"] = verify
+                rec["accept_length"] = rec["completion_tokens"] / verify if verify else None
+            records = round_records(server)
+            rec["round_log_exists"] = bool(server.round_log and server.round_log.exists())
+            rec["rounds"] = len(records)
+            rec["max_batch_in_round"] = max((len(r.get("accept_lens", [])) for r in records), default=0)
+            summary["servers"][name] = rec
+        for v in variants_:
+            for g in modes:
+                plain, spec = server_name(v, False, g), server_name(v, True, g)
+                key = f"{v.name}-{v.dtype}-{'graph' if g else 'eager'}"
+                if plain in outputs and spec in outputs:
+                    mismatch = first_mismatch(outputs[plain], outputs[spec])
+                    summary["pairs"][key] = {"identical": mismatch is None, "mismatch": mismatch}
+                else:
+                    summary["pairs"][key] = {"identical": None, "mismatch": "a server failed"}
+    finally:
+        for server in servers.values():
+            server.stop()
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'server':44s} {'ready_s':>8s} {'tokens':>7s} {'accept':>7s} {'rounds':>6s} {'maxbs':>5s} "
+             f"{'gpu':>4s}  error"]
+    for name, rec in summary["servers"].items():
+        ready = f"{rec['ready_s']:.0f}" if rec.get("ready_s") else "-"
+        acc = f"{rec['accept_length']:.2f}" if rec.get("accept_length") else "-"
+        err = (rec.get("error") or "").strip().splitlines()
+        err_line = next((e for e in reversed(err) if e.strip()), "")[:90] if err else ""
+        lines.append(f"{name:44s} {ready:>8s} {rec.get('completion_tokens', '-')!s:>7s} {acc:>7s} "
+                     f"{rec.get('rounds', 0):>6d} {rec.get('max_batch_in_round', 0):>5d} "
+                     f"{'yes' if rec.get('gpu_backend') else 'no':>4s}  {err_line}")
+    for key, pair in summary["pairs"].items():
+        verdict = {True: "IDENTICAL", False: "DIFFER", None: "NOT RUN"}[pair["identical"]]
+        lines.append(f"kdtree vs plain {key:30s} {verdict}  {pair['mismatch'] or ''}"[:200])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama,dsv3")
+    parser.add_argument("--modes", default="graph", help="comma list of graph, eager")
+    parser.add_argument("--dtypes", default="float32", help="comma list; the Kimi variants are always bf16")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    chosen = []
+    for dtype in args.dtypes.split(","):
+        table = variants(dtype)
+        chosen += [table[m] for m in args.models.split(",") if m in table]
+    chosen = list(dict.fromkeys(chosen))  # the bf16 Kimi variants appear once whatever --dtypes says
+    modes = [{"graph": True, "eager": False}[m] for m in args.modes.split(",")]
+    summary = compare(chosen, modes, args.out)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "table.txt").write_text(format_table(summary) + "\n")
+    print(format_table(summary))
+    ok = all(p["identical"] for p in summary["pairs"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
