@@ -1,0 +1,184 @@
+"""Plain vs DFLASH (linear chain) vs KDTREE on real CUDA SGLang servers of one target, side by side in one run.
+
+    python benchmarks/bench_server.py --variant kimi --batches 1 8 32 --budget 64 --new-tokens 64 --out DIR
+
+All servers start at once on the same GPU (``tests/e2e/cuda_servers.py``: SGLang's launcher, scheduler,
+CUDA-graph runners and Triton attention are real; the ``sgl_kernel`` binary is the test-only stand-in), with
+CUDA graphs on and the same drafter for DFLASH and KDTREE:
+
+* ``plain``: autoregressive;
+* ``dflash``: ``--speculative-algorithm DFLASH`` (one chain of the drafter's block per round);
+* ``kdtree``: ``--speculative-algorithm kdtree`` with ``--speculative-num-draft-tokens budget+1``, no round
+  log (its tokens/s);
+* ``kdtree-log``: the same with ``KDTREE_ROUND_LOG`` (CUDA events per phase and one extra host read per
+  round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
+  verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
+  commit, drafter features, result). Bookkeeping = ``tree + accept_commit``.
+
+For each batch size, one warm-up batch, then ``--repeats`` timed batches of ``bs`` concurrent greedy requests
+of ``--new-tokens`` tokens each (``ignore_eos``); per server it reports tokens/s per request (median over
+requests and repeats), aggregate tokens/s, and the mean accept length from SGLang's ``spec_accept_length``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+import cuda_servers  # noqa: E402
+
+PHASES = ("draft", "tree", "verify", "accept_commit")
+#: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
+HBM_BYTES_PER_S = 4.19e12
+
+
+def bookkeeping_floor_ms(bs: int, depths: int, vocab: int, logit_bytes: int = 2) -> float:
+    """The least the tree step can take: reading the bf16 draft logits ``[bs, L, V]`` once from HBM."""
+    return bs * depths * vocab * logit_bytes / HBM_BYTES_PER_S * 1e3
+
+
+def _geometry(variant) -> tuple[int, int]:
+    """(draft depths L = block - 1, vocab V) from the drafter's and the target's config.json."""
+    target = json.loads((Path(variant.target) / "config.json").read_text())
+    drafter = json.loads((Path(variant.drafter) / "config.json").read_text())
+    block = drafter.get("block_size") or (drafter.get("dflash_config") or {}).get("block_size")
+    return int(block) - 1, int(target["vocab_size"])
+
+
+def _args_for(kind: str, variant, port: int, budget: int) -> list[str]:
+    args = cuda_servers.server_args(variant, port, kdtree=kind.startswith("kdtree"), cuda_graph=True)
+    if kind.startswith("kdtree"):
+        i = args.index("--speculative-num-draft-tokens")
+        args[i + 1] = str(budget + 1)
+    elif kind == "dflash":
+        args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]
+    return args
+
+
+def start(variant, kinds, budget: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    for kind in kinds:
+        env = dict(variant.env)
+        round_log = None
+        if kind == "kdtree-log":
+            round_log = out / "rounds-kdtree.jsonl"
+            round_log.unlink(missing_ok=True)
+            env["KDTREE_ROUND_LOG"] = str(round_log)
+        server = cuda_servers.CudaServer(kind, _args_for(kind, variant, cuda_servers.free_port(), budget),
+                                         out / f"{kind}.log", env)
+        server.round_log = round_log
+        servers[kind] = server
+    return servers
+
+
+def _payload(prompt, new_tokens: int) -> dict:
+    return {"input_ids": prompt,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def run_batch(server, batch, new_tokens: int) -> tuple[float, list[dict]]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+        results = list(pool.map(lambda p: server.generate(_payload(p, new_tokens)), batch))
+    return time.perf_counter() - t0, results
+
+
+def _rounds(server, start_line: int, bs: int) -> list[dict]:
+    if server.round_log is None or not server.round_log.exists():
+        return []
+    lines = server.round_log.read_text().splitlines()[start_line:]
+    return [r for r in (json.loads(x) for x in lines if x.strip()) if len(r["accept_lens"]) == bs]
+
+
+def _log_len(server) -> int:
+    if server.round_log is None or not server.round_log.exists():
+        return 0
+    return len(server.round_log.read_text().splitlines())
+
+
+def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
+    table = {}
+    for bs in batches:
+        batch = cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]
+        for kind, server in servers.items():
+            run_batch(server, batch, new_tokens)  # warm-up (graph sizes, allocator)
+            start_line = _log_len(server)
+            per_request, walls, accepts = [], [], []
+            for _ in range(repeats):
+                wall, results = run_batch(server, batch, new_tokens)
+                walls.append(wall)
+                for r in results:
+                    meta = r.get("meta_info", {})
+                    latency = meta.get("e2e_latency") or wall
+                    per_request.append(len(r["output_ids"]) / latency)
+                    if meta.get("spec_accept_length") is not None:
+                        accepts.append(float(meta["spec_accept_length"]))
+            row = {
+                "tok_s_per_request": statistics.median(per_request),
+                "tok_s_total": bs * new_tokens * repeats / sum(walls),
+                "accept_len": statistics.fmean(accepts) if accepts else 1.0,
+                "runs": repeats,
+            }
+            rounds = _rounds(server, start_line, bs)
+            if rounds:
+                split = {p: statistics.median(r["ms"][p] for r in rounds) for p in PHASES}
+                split["bookkeeping"] = split["tree"] + split["accept_commit"]
+                row.update(split_ms=split, rounds=len(rounds),
+                           graph_rounds=sum(bool(r.get("graph")) for r in rounds),
+                           mla_launches=rounds[-1].get("mla_launches"), marlin_routed=rounds[-1].get("marlin_routed"))
+            table.setdefault(str(bs), {})[kind] = row
+    return table
+
+
+def format_table(table: dict, depths: int, vocab: int) -> str:
+    lines = ["| bs | server | tok/s per request | tok/s total | accept len | draft ms | tree ms | verify ms | "
+             "accept+commit ms | bookkeeping ms | bookkeeping floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for bs, rows in table.items():
+        for kind, r in rows.items():
+            s = r.get("split_ms")
+            cells = [f"{s[p]:.3f}" for p in (*PHASES, "bookkeeping")] if s else [""] * 5
+            floor = f"{bookkeeping_floor_ms(int(bs), depths, vocab):.4f}" if s else ""
+            lines.append(f"| {bs} | {kind} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
+                         f"{r['accept_len']:.2f} | " + " | ".join(cells) + f" | {floor} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", default="kimi", help="target from tests/e2e/cuda_servers.variants (default kimi)")
+    ap.add_argument("--dtype", default="bfloat16", help="dtype of the tiny targets (default bfloat16)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
+    ap.add_argument("--budget", type=int, default=64, help="KDTREE node budget (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed batches per size and server (default 3)")
+    ap.add_argument("--kinds", nargs="+", default=["plain", "dflash", "kdtree", "kdtree-log"],
+                    help="servers to run (default plain dflash kdtree kdtree-log)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
+    args = ap.parse_args(argv)
+    variant = cuda_servers.variants(args.dtype)[args.variant]
+    servers = start(variant, args.kinds, args.budget, args.out)
+    try:
+        failed = cuda_servers.wait_all(servers)
+        for name, err in failed.items():
+            print(f"{name} failed to start:\n{err}", file=sys.stderr)
+            servers.pop(name)
+        table = measure(servers, args.batches, args.new_tokens, args.repeats)
+    finally:
+        for server in servers.values():
+            server.stop()
+    (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
+                                                     "new_tokens": args.new_tokens, "table": table}, indent=1))
+    depths, vocab = _geometry(variant)
+    print(format_table(table, depths, vocab))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""CPU smoke test of ``benchmarks/bench_server.py``'s plumbing (the servers themselves need the H200): server
+command lines per kind, the round-log split, the bookkeeping floor and the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    spec = importlib.util.spec_from_file_location("bench_server", REPO / "benchmarks" / "bench_server.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_kind_gets_its_own_algorithm_and_the_same_drafter(tmp_path):
+    bench = _load()
+    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={})
+    kd = bench._args_for("kdtree", variant, 1234, budget=64)
+    assert kd[kd.index("--speculative-algorithm") + 1] == "kdtree"
+    assert kd[kd.index("--speculative-num-draft-tokens") + 1] == "65"
+    df = bench._args_for("dflash", variant, 1235, budget=64)
+    assert df[df.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert df[df.index("--speculative-draft-model-path") + 1] == kd[kd.index("--speculative-draft-model-path") + 1]
+    plain = bench._args_for("plain", variant, 1236, budget=64)
+    assert "--speculative-algorithm" not in plain and "--disable-cuda-graph" not in plain
+
+
+def test_round_split_uses_only_rounds_of_the_batch_size(tmp_path):
+    bench = _load()
+    log = tmp_path / "rounds.jsonl"
+    rows = [{"accept_lens": [3], "ms": {"draft": 1, "tree": 2, "verify": 3, "accept_commit": 4}},
+            {"accept_lens": [3, 4], "ms": {"draft": 9, "tree": 9, "verify": 9, "accept_commit": 9}}]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    server = types.SimpleNamespace(round_log=log)
+    assert bench._log_len(server) == 2
+    assert [r["ms"]["draft"] for r in bench._rounds(server, 0, 1)] == [1]
+    assert bench._rounds(server, 1, 1) == []
+
+
+def test_floor_and_table():
+    bench = _load()
+    # bs 32, L 15, V 163840 bf16 = 157 MB of draft logits at 4.19 TB/s
+    assert abs(bench.bookkeeping_floor_ms(32, 15, 163840) - 32 * 15 * 163840 * 2 / 4.19e12 * 1e3) < 1e-12
+    table = {"1": {"plain": {"tok_s_per_request": 100.0, "tok_s_total": 100.0, "accept_len": 1.0, "runs": 3},
+                   "kdtree-log": {"tok_s_per_request": 300.0, "tok_s_total": 300.0, "accept_len": 4.5, "runs": 3,
+                                  "split_ms": {"draft": 1.0, "tree": 0.1, "verify": 2.0, "accept_commit": 0.05,
+                                               "bookkeeping": 0.15}}}}
+    text = bench.format_table(table, 15, 163840)
+    assert "| 1 | plain | 100.0 |" in text and "| 1 | kdtree-log | 300.0 | 300.0 | 4.50 | 1.000 | 0.100 |" in text
