@@ -229,6 +229,10 @@ def run_gpu_bench(batches=(1, 8, 32, 64), budgets=(16, 64, 256, 512), depth=15, 
                 row["sglang_mask_us"] = None
                 row["sglang_error"] = sgl_error
             row["uno_error"] = uno_error
+            # the fp32 verify logits it needs are bs * (B+1) * V * 4 bytes: skip the largest grid points
+            row["worker_eager_us"] = (
+                _time_gpu(worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots))
+                if bs * (budget + 1) * vocab * 4 <= 8 << 30 else float("nan"))
             rows_out.append(row)
             if progress:
                 progress(row)
@@ -237,10 +241,41 @@ def run_gpu_bench(batches=(1, 8, 32, 64), budgets=(16, 64, 256, 512), depth=15, 
     return rows_out
 
 
+def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidden_size=7168):
+    """The bookkeeping a CUDA server's round runs, as ``KDTreeWorker._tree_round`` calls it: the reserved
+    ``pipeline.GpuBackend`` (grow-only buffers, bf16 draft logits as they are), eager: top-K -> tree ->
+    verify inputs, then greedy accept on fp32 verify logits, commit plan and the accepted hidden rows
+    (Kimi's hidden size). Not included: the KV compaction (it needs a pool; see the compaction section) and
+    the round's end-of-round host read of the error flags."""
+    import torch
+
+    from sglang_kdtree.pipeline import GpuBackend
+
+    width = budget + 1
+    backend = GpuBackend("cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    target = torch.randn((bs * width, vocab), device="cuda", generator=g)
+    hidden = torch.randn((bs * width, hidden_size), device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.arange(bs * width, device="cuda", dtype=torch.int64).view(bs, width)
+    mask_bytes = seq_sum * width + width * width * bs
+
+    def round_():
+        backend.reserve(bs, budget, depth, vocab, mask_bytes)
+        lp, ids = backend.topk(logits, min(budget, vocab))
+        trees = backend.build(lp, ids, budget, roots)
+        backend.verify_inputs(trees, seq, seq_sum)
+        acc = backend.accept_greedy(trees, target, depth)
+        plan = backend.commit_plan(acc.accepted, acc.accept_lens, slots)
+        backend.gather_hidden(hidden, plan, width)
+
+    round_()  # sizes the buffers and compiles, as the server's startup rehearsal does
+    return round_
+
+
 def format_table(rows) -> str:
     head = (f"{'bs':>3} {'B':>4} | {'torch topk':>10} {'d2h':>7} {'heapq':>9} {'mask':>9} {'h2d':>7} {'CPU tot':>9} | "
             f"{'topk':>7} {'%floor':>6} {'tree':>7} {'verify':>7} {'e2e':>7} {'graph':>7} {'x':>6} | "
-            f"{'sgl mask':>8} {'same':>4}")
+            f"{'sgl mask':>8} {'same':>4} | {'worker':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         sg = f"{r['sglang_mask_us']:8.1f}" if r.get("sglang_mask_us") is not None else f"{'n/a':>8}"
@@ -249,11 +284,12 @@ def format_table(rows) -> str:
             f"{r['cpu_mask_us']:9.0f} {r['cpu_h2d_us']:7.0f} {r['cpu_total_us']:9.0f} | {r['gpu_topk_us']:7.1f} "
             f"{100 * r['topk_bw_frac']:5.0f}% {r['gpu_tree_us']:7.1f} {r['gpu_verify_us']:7.1f} "
             f"{r['gpu_e2e_eager_us']:7.1f} {r['gpu_e2e_graph_us']:7.1f} {r['speedup_e2e']:6.0f} | {sg} "
-            f"{str(r.get('sglang_mask_same', '-'))[:4]:>4}"
+            f"{str(r.get('sglang_mask_same', '-'))[:4]:>4} | {r.get('worker_eager_us', float('nan')):7.1f}"
         )
     if rows:
         lines.append(f"times in us; %floor = (bf16 logits bytes / copy bandwidth {rows[0]['copy_bw_TBps']:.2f} TB/s) "
-                     "/ topk time; x = CPU total / GPU graph e2e")
+                     "/ topk time; x = CPU total / GPU graph e2e; worker = the server round's bookkeeping as the worker "
+                     "runs it (reserved GpuBackend, eager: top-K .. verify inputs + accept + commit plan + hidden rows)")
         if rows[0].get("uno_error"):
             lines.append(f"UNO builder (uno_tree.py) not run: {rows[0]['uno_error']}")
         if rows[0].get("sglang_error"):
