@@ -1,0 +1,583 @@
+"""``python -m sglang_kdtree doctor``: check what can break a deployment; exit 1 naming the fix.
+
+Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure followed by ``fix:``):
+
+1. the package: where ``sglang_kdtree`` is imported from, and that its ``patches`` and ``_kernels``
+   subpackages resolve there (a checkout and an installed wheel must look the same);
+2. SGLang's version against the exact pin of this package;
+3. the plugin: the ``kdtree`` entry point, ``SGLANG_PLUGINS``, SGLang's ``load_plugins()`` running
+   ``register()`` without an error, and ``--speculative-algorithm kdtree`` resolving afterwards;
+4. the patches: every hook the plugin registered was applied by SGLang's ``HookRegistry`` (its own
+   resolution of the target), and every other symbol a patch names (``TARGETS``) resolves the same way
+   (``pkgutil.resolve_name``);
+5. CuPy and the GPU (a machine without a GPU is a warning unless ``--require-gpu``: it can run the CPU
+   reference and the tests, not a CUDA server);
+6. a kernel compile: every ``kernels/*.cu`` through NVRTC, loaded on the GPU where there is one, else a
+   front-end compile for ``--arch``;
+7. optional ``--model-path`` / ``--speculative-draft-model-path``: the paths exist, the target's architecture
+   is one SGLang's DFlash drafter can serve under DDTree (its hidden states can be captured, attention is
+   MHA or MLA, no linear-attention / Mamba layers), and the drafter's block size is in the range DDTree
+   supports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pkgutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: The SGLang release this package is written against (also the exact pin in pyproject.toml).
+SUPPORTED_SGLANG = "0.5.23"
+#: NVRTC options of ``sglang_kdtree.gpu.runtime.load_module`` (the include path is added per call).
+NVRTC_OPTIONS = ("--std=c++17", "-fmad=false")
+DEFAULT_ARCH = "90"  # H200 / H100 (Hopper)
+
+OK, WARN, FAIL = "ok", "WARN", "FAIL"
+
+
+@dataclass
+class Report:
+    """Lines printed as they are found (a slow check shows where it is), and the tally for the exit code."""
+
+    verbose: bool = False
+    out: object = field(default_factory=lambda: sys.stdout)
+    counts: dict = field(default_factory=lambda: {OK: 0, WARN: 0, FAIL: 0})
+
+    def add(self, status: str, what: str, fix: str | None = None, details: str | None = None) -> None:
+        self.counts[status] += 1
+        print(f"{status:<5} {what}", file=self.out, flush=True)
+        if details and (self.verbose or status == FAIL):
+            for line in details.rstrip().splitlines():
+                print(f"        {line}", file=self.out)
+        if fix:
+            print(f"      fix: {fix}", file=self.out, flush=True)
+
+    def ok(self, what: str) -> None:
+        self.add(OK, what)
+
+    def warn(self, what: str, fix: str | None = None) -> None:
+        self.add(WARN, what, fix)
+
+    def fail(self, what: str, fix: str, details: str | None = None) -> None:
+        self.add(FAIL, what, fix, details)
+
+
+class _Capture(logging.Handler):
+    """Collects the error records SGLang's plugin loader and hook registry log (they never raise)."""
+
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first non-empty line of the message`` (some import errors carry a page of diagnostics)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:300]}" + (" ..." if len(lines) > 1 else "")
+
+
+def _exc_line(exc_info) -> str:
+    if not exc_info or exc_info[1] is None:
+        return ""
+    return _one_line(exc_info[1])
+
+
+def _sglang_pin() -> str:
+    """The exact SGLang version this installation requires (from its metadata, else ``SUPPORTED_SGLANG``)."""
+    try:
+        from importlib.metadata import requires
+
+        from packaging.requirements import Requirement
+
+        for line in requires("sglang-kdtree") or ():
+            req = Requirement(line)
+            if req.name == "sglang" and req.marker is None:
+                pins = [s.version for s in req.specifier if s.operator == "=="]
+                if pins:
+                    return pins[0]
+    except Exception:
+        pass
+    return SUPPORTED_SGLANG
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1-2. package and SGLang version
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_package(report: Report) -> bool:
+    import sglang_kdtree
+
+    pkg_dir = Path(sglang_kdtree.__file__).parent
+    where = str(pkg_dir)
+    if (pkg_dir.parent / "pyproject.toml").is_file():
+        where += " (a source checkout)"
+    ok = True
+    try:
+        from sglang_kdtree import patches
+
+        patches_dir = Path(patches.__file__).parent
+    except ImportError as exc:
+        report.fail(
+            f"sglang_kdtree.patches does not import from {pkg_dir} ({exc})",
+            "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
+            "symlink sglang_kdtree/patches -> ../patches (git checkout -- sglang_kdtree/patches)",
+        )
+        ok = False
+        patches_dir = None
+    from sglang_kdtree.gpu.runtime import kernels_dir
+
+    kdir = kernels_dir()
+    if not sorted(kdir.glob("*.cu")):
+        report.fail(
+            f"no kernel sources (*.cu) in {kdir}",
+            "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
+            "symlink sglang_kdtree/_kernels -> ../kernels (git checkout -- sglang_kdtree/_kernels)",
+        )
+        ok = False
+    if ok:
+        report.ok(f"sglang_kdtree {sglang_kdtree.__version__} from {where}; patches {patches_dir}, kernels {kdir}")
+    return ok
+
+
+def check_sglang_version(report: Report) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    pin = _sglang_pin()
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        report.fail("sglang is not installed", f"pip install sglang=={pin}")
+        return False
+    if found != pin:
+        report.fail(
+            f"sglang {found} is installed; sglang-kdtree hooks SGLang internals and needs exactly {pin}",
+            f"pip install sglang=={pin}",
+        )
+        return False
+    report.ok(f"sglang {found} (required: =={pin})")
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3-4. plugin load and patch targets
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_plugin(report: Report) -> list[logging.LogRecord] | None:
+    """Runs SGLang's ``load_plugins()``; returns the error records it logged, or None when the plugin failed."""
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kdtree"]
+    if not eps:
+        report.fail(
+            "no 'kdtree' entry point in group sglang.srt.plugins: SGLang will not load the plugin",
+            f"install sglang-kdtree into this environment ({sys.executable} -m pip install /path/to/sglang-kdtree)",
+        )
+        return None
+    expected = "sglang_kdtree.plugin:register"
+    if eps[0].value != expected:
+        report.fail(f"entry point kdtree -> {eps[0].value} (expected {expected})",
+                    "reinstall sglang-kdtree (pip install --force-reinstall --no-deps /path/to/sglang-kdtree)")
+        return None
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "kdtree" not in {name.strip() for name in allowed.split(",")}:
+        report.fail(f"SGLANG_PLUGINS={allowed!r} does not list kdtree: SGLang skips the plugin",
+                    "add kdtree to SGLANG_PLUGINS (or unset it)")
+        return None
+
+    from sglang.srt.plugins import load_plugins
+
+    capture = _Capture()
+    loggers = [logging.getLogger("sglang.srt.plugins"), logging.getLogger("sglang.srt.plugins.hook_registry")]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(capture)
+        lg.propagate = report.verbose  # the tracebacks are summarised below; --verbose shows them as logged
+    try:
+        load_plugins()
+    finally:
+        for lg, propagate in saved:
+            lg.removeHandler(capture)
+            lg.propagate = propagate
+
+    from sglang_kdtree import plugin
+
+    ours = [r for r in capture.records if "kdtree" in r.getMessage()]
+    if ours or not plugin._registered:
+        record = ours[0] if ours else None
+        cause = _exc_line(record.exc_info) if record else (plugin._load_error or "register() was not called")
+        details = "".join(traceback.format_exception(*record.exc_info)) if record and record.exc_info else None
+        report.fail(
+            f"SGLang's load_plugins() could not run the kdtree plugin: {cause}",
+            _fix_for(cause),
+            details,
+        )
+        return None
+    try:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        from sglang_kdtree import spec
+
+        algo = SpeculativeAlgorithm.from_string("kdtree")
+        if not isinstance(algo, spec.KDTreeSpec):
+            raise TypeError(f"resolves to {type(algo).__name__}, not KDTreeSpec")
+    except Exception as exc:
+        report.fail(f"--speculative-algorithm kdtree does not resolve after load_plugins(): {exc}",
+                    "reinstall sglang-kdtree; run with --verbose for SGLang's plugin log")
+        return None
+    report.ok("plugin: entry point kdtree loaded by SGLang's load_plugins(); --speculative-algorithm kdtree resolves")
+    return capture.records
+
+
+def _fix_for(cause: str) -> str:
+    if "sglang_kdtree.patches" in cause or "sglang_kdtree._kernels" in cause:
+        return ("this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore "
+                "the symlinks sglang_kdtree/patches and sglang_kdtree/_kernels (git checkout -- sglang_kdtree)")
+    return (f"sglang-kdtree supports sglang=={_sglang_pin()} only: install it, or reinstall sglang-kdtree; "
+            "--verbose shows the traceback")
+
+
+def _diagnose(target: str) -> str:
+    """Why ``target`` does not resolve: a module that does not exist or does not import, or a missing name."""
+    import importlib
+    import importlib.util
+
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            continue
+        try:
+            obj = importlib.import_module(module)
+        except Exception as exc:
+            return f"import: module {module} does not import ({_one_line(exc)})"
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return f"missing: {'.'.join(parts[:i])}.{name} does not exist in the installed SGLang"
+            obj = getattr(obj, name)
+        return "resolves"
+    return f"missing: no module of {target} exists in the installed SGLang"
+
+
+def check_patch_targets(report: Report, loader_errors: list[logging.LogRecord], gpu_reason: str | None) -> bool:
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_kdtree import patches
+
+    pin = _sglang_pin()
+    fix = (f"the installed SGLang is not the {pin} release these patches were written against: "
+           f"pip install --force-reinstall sglang=={pin}, or upgrade sglang-kdtree to one that supports it")
+    ok = True
+    failed_apply = {}
+    for record in loader_errors:
+        message = record.getMessage()
+        if message.startswith("Failed to apply hooks to "):
+            failed_apply[message.removeprefix("Failed to apply hooks to ").strip()] = _exc_line(record.exc_info)
+    hooked = sorted(
+        target
+        for target, hooks in HookRegistry._hooks.items()
+        if any((src is not None and src.plugin_name == "kdtree")
+               or getattr(hook, "__module__", "").startswith("sglang_kdtree.") for _, hook, src in hooks)
+    )
+    for target in hooked:
+        if target not in HookRegistry._patched:
+            why = failed_apply.get(target) or _diagnose(target)
+            report.fail(f"hook target {target} was not patched by SGLang's HookRegistry ({why})", fix)
+            ok = False
+    named = 0
+    skipped = []
+    for name in patches.PATCH_MODULES:
+        module = importlib.import_module(f"sglang_kdtree.patches.{name}")
+        for target in module.TARGETS:
+            if target in hooked:
+                continue
+            named += 1
+            try:
+                pkgutil.resolve_name(target)  # what HookRegistry._apply_target uses
+                continue
+            except Exception:
+                why = _diagnose(target)
+            if why.startswith("import:") and gpu_reason is not None:
+                skipped.append(f"{target} ({why.removeprefix('import: ')})")
+                continue
+            report.fail(f"patch {name}: SGLang symbol {target} does not resolve ({why})", fix)
+            ok = False
+    if ok:
+        report.ok(f"patches: {len(hooked)} hooks applied by SGLang's HookRegistry, {named - len(skipped)} more "
+                  f"patched symbols resolve")
+    for item in skipped:
+        report.warn(f"not checked on this machine (its module needs CUDA to import): {item}",
+                    "run doctor on the GPU machine to check it")
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------------
+# 5-6. CuPy, GPU, kernel compile
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_gpu(report: Report, require_gpu: bool) -> str | None:
+    """Returns None when kernels can run here, else the reason."""
+    try:
+        import cupy
+    except Exception as exc:
+        report.fail(f"CuPy does not import ({type(exc).__name__}: {exc})", "pip install cupy-cuda13x")
+        return f"cupy does not import: {exc}"
+    from sglang_kdtree.gpu.runtime import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        count = cupy.cuda.runtime.getDeviceCount()
+        report.ok(f"GPU: {count} x {props['name'].decode()} (sm_{props['major']}{props['minor']}), "
+                  f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}")
+        return None
+    no_gpu = reason.startswith("torch sees no CUDA device")
+    what = f"GPU: none ({reason}); CuPy {cupy.__version__} imports"
+    if no_gpu and not require_gpu:
+        report.warn(what + ". This machine runs the CPU reference and the tests, not a CUDA server",
+                    "on the serving machine, run doctor --require-gpu")
+    else:
+        report.fail(what, "install the NVIDIA driver and a CUDA 13 runtime matching cupy-cuda13x; check "
+                          "CUDA_VISIBLE_DEVICES" if no_gpu else "fix the CUDA setup named above")
+    return reason
+
+
+def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
+    from sglang_kdtree.gpu import runtime
+
+    kdir = runtime.kernels_dir()
+    sources = sorted(p.name for p in kdir.glob("*.cu"))
+    if not sources:
+        return False  # reported by check_package
+    t0 = time.perf_counter()
+    if gpu_reason is None:
+        failed = []
+        for name in sources:
+            try:
+                runtime.load_module(name).compile()
+            except Exception as exc:
+                failed.append((name, f"{type(exc).__name__}: {exc}"))
+        how = "compiled with NVRTC and loaded on the GPU"
+    else:
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+
+            nvrtc_version = ".".join(map(str, nvrtc.getVersion()))
+        except Exception as exc:
+            report.warn(f"kernel compile: not checked, NVRTC is not available here ({exc})",
+                        "on the serving machine NVRTC comes with the CUDA toolkit or nvidia-cuda-nvrtc")
+            return True
+        failed = []
+        options = NVRTC_OPTIONS + (f"-I{kdir}", f"-arch=compute_{arch}")
+        for name in sources:
+            program = nvrtc.createProgram((kdir / name).read_text(), name, (), ())
+            try:
+                nvrtc.compileProgram(program, options)
+                nvrtc.getPTX(program)
+            except nvrtc.NVRTCError:
+                failed.append((name, nvrtc.getProgramLog(program)))
+            finally:
+                nvrtc.destroyProgram(program)
+        how = f"NVRTC {nvrtc_version} front end, compute_{arch} (no GPU here to load them)"
+    seconds = time.perf_counter() - t0
+    for name, log in failed:
+        report.fail(f"kernel {name} does not compile ({how})",
+                    "the kernel sources and this CUDA toolkit disagree: reinstall sglang-kdtree, or use the CUDA "
+                    "13 NVRTC that cupy-cuda13x expects", log[-3000:])
+    if failed:
+        return False
+    report.ok(f"kernel compile: {len(sources)}/{len(sources)} kernels in {kdir} ({how}, {seconds:.1f} s)")
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------
+# 7. checkpoints
+# --------------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_target(report: Report, model_path: str, trust_remote_code: bool) -> int | None | bool:
+    """False on a failure; else the target's layer count (None when it was not read)."""
+    from sglang_kdtree.plugin import missing_path_problem
+
+    problem = missing_path_problem("--model-path", model_path)
+    if problem:
+        report.fail(problem, "pass the target checkpoint's directory")
+        return False
+    if not os.path.exists(os.path.expanduser(model_path)):
+        report.warn(f"--model-path {model_path} is not a local path: SGLang will fetch it from the Hugging Face "
+                    "Hub; doctor checks local checkpoints only", None)
+        return None
+    path = Path(os.path.expanduser(model_path))
+    if not (path / "config.json").is_file():
+        report.fail(f"--model-path {path} has no config.json", "pass the directory of a Hugging Face checkpoint")
+        return False
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+
+    try:
+        config = ModelConfig(str(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        report.fail(f"SGLang cannot read the target config {path / 'config.json'} ({type(exc).__name__}: {exc})",
+                    "pass --trust-remote-code if the model needs its own code (as the server would)")
+        return False
+    archs = list(getattr(config.hf_config, "architectures", None) or [])
+    from sglang.srt.models.registry import ModelRegistry
+
+    try:
+        model_cls, arch = ModelRegistry.resolve_model_cls(archs)
+    except Exception as exc:
+        report.fail(f"target architecture {archs} is not one SGLang {_sglang_pin()} serves ({exc})",
+                    "use a target model SGLang supports")
+        return False
+    reasons = []
+    if not hasattr(model_cls, "set_dflash_layers_to_capture"):
+        reasons.append(f"{model_cls.__name__} cannot hand its hidden states to a DFlash drafter "
+                       "(no set_dflash_layers_to_capture)")
+    if config.attention_arch not in (AttentionArch.MHA, AttentionArch.MLA):
+        reasons.append(f"its attention is {config.attention_arch.name}, not MHA or MLA")
+    if mambaish_config(config) is not None:
+        reasons.append("it has linear-attention / Mamba layers, whose state a tree verify cannot branch")
+    if reasons:
+        report.fail(f"target architecture {arch} is not supported by DDTree: " + "; ".join(reasons),
+                    "use an MHA or MLA transformer target that SGLang's DFlash supports (e.g. Llama, Qwen3, "
+                    "DeepSeek-V3, Kimi K2)")
+        return False
+    report.ok(f"target {path}: {arch}, {config.attention_arch.name} attention, {config.num_hidden_layers} layers")
+    return int(config.num_hidden_layers)
+
+
+def check_drafter(report: Report, draft_path: str, block_size: int | None, target_layers: int | None) -> bool:
+    from sglang_kdtree import spec
+    from sglang_kdtree.plugin import missing_path_problem
+
+    problem = missing_path_problem("--speculative-draft-model-path", draft_path)
+    if problem:
+        report.fail(problem, "pass the DFlash drafter checkpoint's directory")
+        return False
+    if not os.path.exists(os.path.expanduser(draft_path)):
+        report.warn(f"--speculative-draft-model-path {draft_path} is not a local path: SGLang will fetch it from "
+                    "the Hugging Face Hub; doctor checks local checkpoints only", None)
+        return True
+    path = Path(os.path.expanduser(draft_path))
+    if not (path / "config.json").is_file():
+        report.fail(f"--speculative-draft-model-path {path} has no config.json",
+                    "pass the directory of the DFlash drafter checkpoint")
+        return False
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    try:
+        draft = parse_dflash_draft_config(draft_hf_config=_read_json(path / "config.json"))
+    except Exception as exc:
+        report.fail(f"{path / 'config.json'} is not a DFlash drafter config ({type(exc).__name__}: {exc})",
+                    "pass a DFlash block-diffusion drafter (DDTree drafts with DFlash)")
+        return False
+    source = "--speculative-dflash-block-size" if block_size is not None else "the drafter's config"
+    block = block_size if block_size is not None else draft.block_size
+    if block is None:
+        report.fail(f"{path / 'config.json'} has no block_size (top level or dflash_config)",
+                    "pass --speculative-dflash-block-size to the server")
+        return False
+    if not spec.MIN_BLOCK_SIZE <= int(block) <= spec.MAX_BLOCK_SIZE:
+        fix = (f"pass a --speculative-dflash-block-size in [{spec.MIN_BLOCK_SIZE}, {spec.MAX_BLOCK_SIZE}], or omit it"
+               if block_size is not None else
+               f"use a drafter trained with a block size in [{spec.MIN_BLOCK_SIZE}, {spec.MAX_BLOCK_SIZE}]")
+        report.fail(f"drafter block size {block} (from {source}) is outside [{spec.MIN_BLOCK_SIZE}, "
+                    f"{spec.MAX_BLOCK_SIZE}]: DDTree drafts L = block_size - 1 <= 31 depths", fix)
+        return False
+    target_ids = list(draft.target_layer_ids or [])
+    if target_layers is not None and target_ids and max(target_ids) >= target_layers:
+        report.fail(f"drafter reads target layers {target_ids}, the target has {target_layers} layers",
+                    "use the drafter trained for this target")
+        return False
+    report.ok(f"drafter {path}: block size {block} (from {source}), {int(block) - 1} draft depths")
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None,
+                   help="also check this target checkpoint (path exists, architecture supported) (default: none)")
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="also check this DFlash drafter (path exists, block size supported) (default: none)")
+    p.add_argument("--speculative-dflash-block-size", type=int, default=None,
+                   help="the block size the server will be given, if any (default: the drafter's config)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let SGLang run the target's own config code, as the server flag does (default: off)")
+    p.add_argument("--require-gpu", action="store_true",
+                   help="fail, instead of warning, when no GPU is visible (use on the serving machine) "
+                        "(default: off)")
+    p.add_argument("--arch", default=DEFAULT_ARCH,
+                   help="compute capability for the kernel compile check when there is no GPU (default: %(default)s)")
+    p.add_argument("--verbose", action="store_true", help="show SGLang's plugin log and full tracebacks")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = Report(verbose=args.verbose)
+    print(f"sglang-kdtree doctor ({sys.executable})", flush=True)
+    check_package(report)
+    sglang_ok = check_sglang_version(report)
+    try:
+        import sglang  # noqa: F401
+    except Exception as exc:
+        if sglang_ok:
+            report.fail(f"sglang does not import ({type(exc).__name__}: {exc})",
+                        f"pip install --force-reinstall sglang=={_sglang_pin()}")
+        return _finish(report)
+    gpu_reason = check_gpu(report, args.require_gpu)
+    loader_errors = check_plugin(report)
+    if loader_errors is not None:
+        check_patch_targets(report, loader_errors, gpu_reason)
+    check_kernels(report, gpu_reason, args.arch)
+    target_layers = None
+    if args.model_path is not None:
+        target_layers = check_target(report, args.model_path, args.trust_remote_code) or None
+    if args.speculative_draft_model_path is not None:
+        check_drafter(report, args.speculative_draft_model_path, args.speculative_dflash_block_size, target_layers)
+    return _finish(report)
+
+
+def _finish(report: Report) -> int:
+    failed, warned = report.counts[FAIL], report.counts[WARN]
+    if failed:
+        print(f"status: FAILED ({failed} problem{'s' * (failed != 1)}; each names its fix above)")
+        return 1
+    print("status: OK" + (f" ({warned} warning{'s' * (warned != 1)})" if warned else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_kdtree doctor", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""``python -m sglang_kdtree doctor`` and the plugin's startup refusals.
+
+Doctor runs in a subprocess (it calls SGLang's ``load_plugins()``, which runs once per process); a failure is
+provoked there the way an SGLang upgrade would cause it: the patched symbol is deleted from the imported
+SGLang before doctor runs. The checkpoint checks and the refusals run in-process on config-only folders.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_kdtree import doctor, plugin  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKED = "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode"
+NAMED = "sglang.srt.managers.scheduler.validate_dflash_request"
+
+
+def run_doctor(before: str = "", *args: str) -> subprocess.CompletedProcess:
+    script = f"import sys\n{before}\nfrom sglang_kdtree.__main__ import main\nsys.exit(main(['doctor', *{list(args)!r}]))"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def fail_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("FAIL")]
+
+
+def test_doctor_passes_on_this_installation():
+    result = run_doctor()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert not fail_lines(out)
+    assert out.rstrip().splitlines()[-1].startswith("status: OK")
+    for check in ("sglang 0.5.23", "plugin: entry point kdtree loaded", "hooks applied by SGLang's HookRegistry",
+                  "kernel compile:"):
+        assert any(line.startswith("ok") and check in line for line in out.splitlines()), check
+
+
+def test_doctor_fails_naming_the_fix_when_patch_targets_are_missing():
+    # One symbol the plugin hooks (HookRegistry cannot apply the hook) and one a patch only names.
+    before = (
+        "import sglang.srt.speculative.dflash_info_v2 as m; del m.DFlashDraftInputV2.prepare_for_decode\n"
+        "import sglang.srt.managers.scheduler as s; del s.validate_dflash_request"
+    )
+    result = run_doctor(before)
+    assert result.returncode == 1, result.stdout
+    out = result.stdout
+    failures = fail_lines(out)
+    assert any(HOOKED in line and "not patched by SGLang's HookRegistry" in line for line in failures), out
+    assert any(NAMED in line and "does not exist in the installed SGLang" in line for line in failures), out
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("FAIL"):
+            assert lines[i + 1].strip().startswith("fix: "), f"no fix after {line!r}"
+    assert "pip install --force-reinstall sglang==0.5.23" in out
+    assert lines[-1].startswith("status: FAILED") and "status: OK" not in out
+
+
+def test_doctor_fails_when_the_plugin_cannot_import_its_patches():
+    """The failure the issue saw: SGLang logs it, and doctor used to print OK after the traceback."""
+    result = run_doctor("sys.modules['sglang_kdtree.patches'] = None")
+    assert result.returncode == 1, result.stdout
+    failures = fail_lines(result.stdout)
+    assert any("sglang_kdtree.patches does not import" in line for line in failures), result.stdout
+    assert any("load_plugins() could not run the kdtree plugin" in line for line in failures), result.stdout
+    assert "git checkout -- sglang_kdtree" in result.stdout
+    assert "status: OK" not in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints (--model-path / --speculative-draft-model-path), in-process on config-only folders
+# ---------------------------------------------------------------------------------------------------
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+}
+QWEN3_NEXT = {  # hybrid: gated delta-net linear attention in 3 of every 4 layers
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+    "vocab_size": 256, "max_position_embeddings": 512, "head_dim": 16, "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+}
+
+
+def drafter(block_size=8, target_layer_ids=(0, 1)) -> dict:
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 128,
+        "vocab_size": 256, "num_target_layers": 2,
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": 255},
+    }
+    if block_size is not None:
+        cfg["dflash_config"]["block_size"] = block_size
+    return cfg
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    def make(name: str, config: dict) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        return str(d)
+
+    return make
+
+
+def quiet() -> doctor.Report:
+    return doctor.Report(out=io.StringIO())
+
+
+def test_target_checks(checkpoint, tmp_path):
+    report = quiet()
+    assert doctor.check_target(report, checkpoint("llama", LLAMA), False) == 2
+    assert report.counts[doctor.FAIL] == 0
+
+    report = quiet()
+    assert doctor.check_target(report, checkpoint("qwen3next", QWEN3_NEXT), False) is False
+    assert "linear-attention / Mamba layers" in report.out.getvalue()
+
+    report = quiet()
+    assert doctor.check_target(report, str(tmp_path / "nowhere"), False) is False
+    assert f"--model-path {tmp_path / 'nowhere'}: the path does not exist" in report.out.getvalue()
+
+    report = quiet()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert doctor.check_target(report, str(empty), False) is False
+    assert "has no config.json" in report.out.getvalue()
+
+
+def test_drafter_checks(checkpoint, tmp_path):
+    report = quiet()
+    assert doctor.check_drafter(report, checkpoint("d8", drafter(8)), None, 2) is True
+    assert "block size 8 (from the drafter's config), 7 draft depths" in report.out.getvalue()
+
+    cases = [
+        (drafter(64), None, "drafter block size 64 (from the drafter's config) is outside [2, 32]"),
+        (drafter(8), 33, "drafter block size 33 (from --speculative-dflash-block-size) is outside [2, 32]"),
+        (drafter(None), None, "has no block_size"),
+        (drafter(8, (0, 5)), None, "drafter reads target layers [0, 5], the target has 2 layers"),
+    ]
+    for n, (cfg, flag, expected) in enumerate(cases):
+        report = quiet()
+        assert doctor.check_drafter(report, checkpoint(f"bad{n}", cfg), flag, 2) is False, expected
+        assert expected in report.out.getvalue()
+        assert "fix: " in report.out.getvalue()
+    report = quiet()
+    assert doctor.check_drafter(report, checkpoint("d_noblock", drafter(None)), 16, 2) is True
+
+    report = quiet()
+    assert doctor.check_drafter(report, str(tmp_path / "no-drafter"), None, None) is False
+    assert "the path does not exist" in report.out.getvalue()
+
+
+def test_missing_path_problem(tmp_path):
+    assert plugin.missing_path_problem("--model-path", str(tmp_path)) is None
+    assert plugin.missing_path_problem("--model-path", "s3://bucket/model") is None
+    assert plugin.missing_path_problem("--model-path", "moonshotai/Kimi-K2") is None  # a Hub repo id
+    for path in (str(tmp_path / "missing"), "./missing", "~/missing-model-dir", "a/b/c", "bad name"):
+        assert plugin.missing_path_problem("--model-path", path) == f"--model-path {path}: the path does not exist"
+
+
+# ---------------------------------------------------------------------------------------------------
+# startup refusals: one `kdtree: <message>` line on stderr, then SGLang's exception
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def resolve(argv):
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(argv)
+    sa.resolve_once()
+
+
+def test_refusal_prints_one_clean_line(plugins_loaded, checkpoint, capfd):
+    model = checkpoint("llama", LLAMA)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="--page-size 16 is not supported"):
+        resolve(["--model-path", model, "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", model,
+                 "--device", "cpu", "--disable-overlap-schedule", "--page-size", "16"])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kdtree:")]
+    assert lines == ["kdtree: --page-size 16 is not supported (tree KV rows are compacted slot by slot); "
+                     "use --page-size 1"]
+
+
+def test_missing_checkpoint_paths_are_refused_before_sglang_reads_them(plugins_loaded, checkpoint, tmp_path, capfd):
+    model = checkpoint("llama", LLAMA)
+    missing = tmp_path / "no-such-drafter"
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="the path does not exist"):
+        resolve(["--model-path", model, "--speculative-algorithm", "kdtree", "--speculative-draft-model-path",
+                 str(missing), "--device", "cpu", "--disable-overlap-schedule"])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kdtree:")]
+    assert lines == [f"kdtree: --speculative-draft-model-path {missing}: the path does not exist"]
+    # a server without kdtree is SGLang's business: no refusal from us
+    with pytest.raises(Exception) as info:
+        resolve(["--model-path", str(tmp_path / "no-such-target"), "--device", "cpu"])
+    assert "kdtree" not in str(info.value).lower()
+    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("kdtree:")]
