@@ -12,6 +12,10 @@ writes
   ``srt/models/dflash.py::DFlashDraftModel`` loads;
 * the same tokenizer (``tokenizers`` WordLevel, trained offline on the synthetic corpus) in every folder.
 
+``--kimi`` builds the Kimi-shaped target instead (``make_kimi_model.py``: DeepSeek-V3 with Kimi K2.6's MLA
+geometry, vocab 163,840, W4A16 compressed-tensors routed experts), which reuses this file's language,
+training and drafter code.
+
 Why the models are *trained* briefly instead of left random: DDTree only shows its behaviour (multi-token
 acceptance, acceptance through a non-first sibling) when the drafter agrees with the target often but not
 always. So
@@ -85,7 +89,14 @@ def language_batch(succ_a, succ_b, batch: int, length: int, gen: torch.Generator
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(out: Path, corpus: list[str]) -> None:
+def filler_word(i: int) -> str:
+    """The word of filler id ``i`` (ids past the language's, only in the Kimi-shaped target's vocabulary)."""
+    return f"x{i}"
+
+
+def build_tokenizer(out: Path, corpus: list[str], vocab_size: int = VOCAB_SIZE) -> None:
+    """WordLevel tokenizer: word i -> id i, then EOS and MASK; with ``vocab_size > VOCAB_SIZE`` every further
+    id gets a filler word (``filler_word``) so any id detokenizes."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -102,6 +113,7 @@ def build_tokenizer(out: Path, corpus: list[str]) -> None:
     vocab = {word(i): i for i in range(NUM_WORDS)}
     vocab[EOS_TOKEN] = EOS_ID
     vocab[MASK_TOKEN] = MASK_ID
+    vocab.update({filler_word(i): i for i in range(VOCAB_SIZE, vocab_size)})
     pinned = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS_TOKEN))
     pinned.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     from tokenizers import decoders
@@ -150,14 +162,21 @@ def dsv3_config():
     )
 
 
-def train_target(model, succ_a, succ_b, steps: int, gen: torch.Generator, log) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def train_target(model, succ_a, succ_b, steps: int, gen: torch.Generator, log, lr: float = 3e-3) -> float:
+    """Fit ``model`` (on any device; batches are drawn on the CPU from ``gen``) to the language; its
+    vocabulary may be larger than the language's (ids never seen as targets are pushed down)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
+    vocab, device = model.config.vocab_size, model_device(model)
     loss = torch.tensor(0.0)
     for step in range(steps):
-        seq = language_batch(succ_a, succ_b, 32, 40, gen)
+        seq = language_batch(succ_a, succ_b, 32, 40, gen).to(device)
         logits = model(input_ids=seq).logits
-        loss = F.cross_entropy(logits[:, 1:-1].reshape(-1, VOCAB_SIZE), seq[:, 2:].reshape(-1))
+        loss = F.cross_entropy(logits[:, 1:-1].reshape(-1, vocab), seq[:, 2:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -171,7 +190,7 @@ def train_target(model, succ_a, succ_b, steps: int, gen: torch.Generator, log) -
 def target_features(model, seq: torch.Tensor) -> torch.Tensor:
     """``[n, T, len(CAPTURE_LAYER_IDS) * HIDDEN]``: the outputs of the captured target layers, in the order
     SGLang concatenates them (it captures the residual stream before layer ``id + 1``)."""
-    out = model(input_ids=seq, output_hidden_states=True)
+    out = model(input_ids=seq.to(model_device(model)), output_hidden_states=True)
     return torch.cat([out.hidden_states[i + 1] for i in CAPTURE_LAYER_IDS], dim=-1)
 
 
@@ -188,7 +207,7 @@ def rms_norm(x, weight, eps=1e-6):
 def rope_neox(x, positions, theta=10000.0):
     """Neox-style rotary embedding on the last axis (SGLang ``get_rope(..., is_neox_style=True)``)."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
     freqs = positions.float()[..., None] * inv_freq
     cos, sin = freqs.cos()[..., None, :], freqs.sin()[..., None, :]
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
@@ -203,9 +222,9 @@ class TinyDFlashDrafter(torch.nn.Module):
     head_dim = 16
     intermediate = 128
 
-    def __init__(self, num_features: int):
+    def __init__(self, num_features: int, hidden: int = HIDDEN):
         super().__init__()
-        h, hd = HIDDEN, self.heads * self.head_dim
+        h, hd = hidden, self.heads * self.head_dim
         lin = lambda i, o: torch.nn.Parameter(torch.randn(o, i) / math.sqrt(i))  # noqa: E731
         weights = {
             "fc.weight": lin(num_features * h, h),
@@ -235,8 +254,8 @@ class TinyDFlashDrafter(torch.nn.Module):
         p = self.p
         n, bs, _ = block_embeds.shape
         ctx = rms_norm(aux @ p("fc.weight").T, p("hidden_norm.weight"))
-        ctx_pos = torch.arange(ctx_len)
-        blk_pos = torch.arange(ctx_len, ctx_len + bs)
+        ctx_pos = torch.arange(ctx_len, device=aux.device)
+        blk_pos = torch.arange(ctx_len, ctx_len + bs, device=aux.device)
         pre = "layers.0."
         x = block_embeds
         h = rms_norm(x, p(pre + "input_layernorm.weight"))
@@ -268,23 +287,24 @@ def train_drafter(target, succ_a, succ_b, steps: int, gen: torch.Generator, log)
     target features of unrelated sequences (so the drafter sees realistic context statistics but can
     learn nothing from them). Fresh blocks every step, so nothing can be memorised by position.
     """
+    device = model_device(target)
     pool = target_features(target, language_batch(succ_a, succ_b, 64, 40, gen, noise=0.0))
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
-    drafter = TinyDFlashDrafter(len(CAPTURE_LAYER_IDS))
+    drafter = TinyDFlashDrafter(len(CAPTURE_LAYER_IDS), hidden=embed.shape[1]).to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=2e-3)
     batch = 64
     stats = {}
     for step in range(steps):
         anchor = int(torch.randint(2, pool.shape[1] + 1, (1,), generator=gen))
-        ctx_rows = torch.randint(0, pool.shape[0], (batch,), generator=gen)
-        seqs = language_batch(succ_a, succ_b, batch, BLOCK_SIZE + 1, gen, noise=0.0)
-        block_ids = torch.full((batch, BLOCK_SIZE), MASK_ID, dtype=torch.long)
+        ctx_rows = torch.randint(0, pool.shape[0], (batch,), generator=gen).to(device)
+        seqs = language_batch(succ_a, succ_b, batch, BLOCK_SIZE + 1, gen, noise=0.0).to(device)
+        block_ids = torch.full((batch, BLOCK_SIZE), MASK_ID, dtype=torch.long, device=device)
         block_ids[:, 0] = seqs[:, 1]
         labels = seqs[:, 2:]
         hidden = drafter(pool[ctx_rows, :anchor], embed[block_ids], anchor)
         logits = hidden[:, 1:] @ head.T
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, head.shape[0]), labels.reshape(-1))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -303,11 +323,12 @@ def train_drafter(target, succ_a, succ_b, steps: int, gen: torch.Generator, log)
     return {"weights": drafter.state_dict_for_checkpoint(), "stats": stats}
 
 
-def draft_config(target_cfg) -> dict:
+def draft_config(target_cfg, dtype: str = "float32") -> dict:
+    """The drafter's config.json; hidden size and vocabulary are the target's."""
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": HIDDEN,
+        "hidden_size": int(target_cfg.hidden_size),
         "num_hidden_layers": 1,
         "num_attention_heads": TinyDFlashDrafter.heads,
         "num_key_value_heads": TinyDFlashDrafter.heads,
@@ -317,10 +338,10 @@ def draft_config(target_cfg) -> dict:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": int(target_cfg.max_position_embeddings),
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": int(target_cfg.vocab_size),
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "block_size": BLOCK_SIZE,
         "num_target_layers": TARGET_LAYERS,
         "dflash_config": {
@@ -399,7 +420,15 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--target-steps", type=int, default=300)
     parser.add_argument("--drafter-steps", type=int, default=400)
+    parser.add_argument("--kimi", action="store_true",
+                        help="build only the Kimi-shaped W4A16 target and its drafter (make_kimi_model.py)")
     args = parser.parse_args(argv)
+    if args.kimi:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import make_kimi_model
+
+        return make_kimi_model.main([str(args.out_dir), "--target-steps", str(args.target_steps),
+                                     "--drafter-steps", str(args.drafter_steps)])
     manifest = build(args.out_dir, args.target_steps, args.drafter_steps)
     print(json.dumps(manifest, indent=2))
     return 0

@@ -1,0 +1,143 @@
+"""Pre-build, export and seed the SGLang JIT modules a CUDA server needs for the Kimi-shaped W4A16 target.
+
+SGLang's plain CUDA path for compressed-tensors W4A16 MoE (``CompressedTensorsWNA16MoE``:
+``process_weights_after_loading`` -> ``gptq_marlin_moe_repack``; ``apply_weights`` -> ``fused_marlin_moe``)
+asks SGLang's JIT for these modules, each ~6 minutes of nvcc on the GPU machine:
+
+* ``gptq_marlin_repack`` (``sglang.kernels.ops.quantization.gptq_marlin_repack``; at load);
+* ``moe_wna16_marlin`` GEMM1 (gate/up): ``_jit_moe_wna16_marlin_module(bf16, is_ep=False, has_bias=False,
+  expert_ids_are_sorted=True, zero_inactive_output=False, has_inactive_prefix_count=True)``;
+* ``moe_wna16_marlin`` GEMM2 (down): the same with ``zero_inactive_output=True``.
+
+``fused_marlin_moe`` passes ``is_ep = expert_map is not None``, ``expert_ids_are_sorted =
+has_inactive_prefix_count = expert_map is None`` and ``zero_inactive_output=True`` only to the second GEMM;
+``moe_wna16_marlin_gemm`` forwards ``expert_ids_are_sorted and not is_ep``. Without expert parallelism
+(our servers) ``expert_map`` is None, hence the two specializations above. ``--which kdtree`` adds the one
+specialization ``sglang_kdtree.marlin_moe`` uses under ``SGLANG_KDTREE_MOE=marlin`` (all flags False).
+
+Usage (CPU build machine with nvcc, no GPU; nice it, it is long):
+
+    CUDA_HOME=/usr/local/cuda-13.0 nice python tests/e2e/prebuild_jit.py --arch 9.0 --export .jitcache/sm90a
+
+and on the GPU machine, before starting servers (same sglang / apache-tvm-ffi sources, checked per file):
+
+    python tests/e2e/prebuild_jit.py --seed .jitcache/sm90a
+
+Seeding runs SGLang's own ``load_jit`` through ``sglang_kdtree.marlin_moe.seed_prebuilt`` (which replaces only
+the nvcc step with a verified copy); modules that do not match are compiled normally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+#: fused_marlin_moe's two GEMM specializations without EP:
+#: (is_ep, has_bias, expert_ids_are_sorted, zero_inactive_output, has_inactive_prefix_count)
+PLAIN_GEMM1 = (False, False, True, False, True)
+PLAIN_GEMM2 = (False, False, True, True, True)
+
+
+def builders(which: set[str], dtype_name: str = "bfloat16") -> list[tuple[str, object]]:
+    """``(label, zero-argument callable)`` for every module asked for; each callable is SGLang's own getter."""
+    import torch
+
+    from sglang.kernels.ops.moe.moe_wna16_marlin import _jit_moe_wna16_marlin_module
+    from sglang.kernels.ops.quantization.gptq_marlin_repack import _jit_gptq_marlin_repack_module
+
+    dtype = getattr(torch, dtype_name)
+    out: list[tuple[str, object]] = []
+    if which & {"repack", "plain", "kdtree"}:
+        out.append(("gptq_marlin_repack", _jit_gptq_marlin_repack_module))
+    if "plain" in which:
+        out.append((f"moe_wna16_marlin{PLAIN_GEMM1} (plain GEMM1)",
+                     lambda: _jit_moe_wna16_marlin_module(dtype, *PLAIN_GEMM1)))
+        out.append((f"moe_wna16_marlin{PLAIN_GEMM2} (plain GEMM2)",
+                     lambda: _jit_moe_wna16_marlin_module(dtype, *PLAIN_GEMM2)))
+    if "kdtree" in which:
+        from sglang_kdtree import marlin_moe
+
+        out.append((f"moe_wna16_marlin{marlin_moe._MARLIN_SPECIALIZATION} (kdtree)",
+                     marlin_moe._marlin_module_builders(dtype_name)[1]))
+    return out
+
+
+def export(dest: Path) -> list[str]:
+    """Copy every built Marlin / repack module (newest build of each module name) out of SGLang's JIT cache
+    into ``dest`` as ``<module>.so`` + ``<module>.deps.json`` (the layout ``marlin_moe.seed_prebuilt`` reads)."""
+    from sglang_kdtree.marlin_moe import jit_cache_dir
+
+    dest.mkdir(parents=True, exist_ok=True)
+    newest: dict[str, Path] = {}
+    for pattern in ("*gptq_marlin_repack", "*moe_wna16_marlin_*"):
+        for so in jit_cache_dir().glob(f"*/{pattern}/build-*/deps-*/*.so"):
+            name = so.stem
+            if name not in newest or so.stat().st_mtime > newest[name].stat().st_mtime:
+                newest[name] = so
+    for name, so in sorted(newest.items()):
+        shutil.copy2(so, dest / so.name)
+        shutil.copy2(so.parent / "sgl_deps.json", dest / f"{name}.deps.json")
+    return sorted(newest)
+
+
+def seed(source: Path, which: set[str]) -> list[str]:
+    """Seed SGLang's JIT cache from ``source`` for every module of ``which``, through
+    ``marlin_moe.seed_prebuilt`` pointed at this script's builders (it iterates over
+    ``marlin_moe._marlin_module_builders``)."""
+    from sglang_kdtree import marlin_moe
+
+    original = marlin_moe._marlin_module_builders
+    marlin_moe._marlin_module_builders = lambda dtype_name="bfloat16": [b for _, b in builders(which, dtype_name)]
+    try:
+        return marlin_moe.seed_prebuilt(source)
+    finally:
+        marlin_moe._marlin_module_builders = original
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--which", default="plain,kdtree",
+                        help="comma list of repack, plain (fused_marlin_moe's 2 GEMMs), kdtree (default: both)")
+    parser.add_argument("--arch", metavar="MAJOR.MINOR", help="build for this compute capability (no GPU here)")
+    parser.add_argument("--seed", metavar="DIR", type=Path, help="first seed SGLang's cache from DIR")
+    parser.add_argument("--no-build", action="store_true", help="only seed / export; do not build what is missing")
+    parser.add_argument("--export", metavar="DIR", type=Path, help="finally copy the built modules to DIR")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    which = {w.strip() for w in args.which.split(",") if w.strip()}
+    unknown = which - {"repack", "plain", "kdtree"}
+    if unknown:
+        parser.error(f"unknown --which entries {sorted(unknown)}")
+    arch = contextlib.nullcontext()
+    if args.arch:
+        from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
+
+        major, minor = (int(v) for v in args.arch.split("."))
+        arch = override_jit_cuda_arch(major, minor)
+    report = {}
+    with arch:
+        if args.seed:
+            start = time.perf_counter()
+            report["seeded"] = seed(args.seed, which)
+            report["seed_s"] = round(time.perf_counter() - start, 1)
+        if not args.no_build:
+            report["built"] = {}
+            for label, build in builders(which):
+                start = time.perf_counter()
+                build()
+                report["built"][label] = round(time.perf_counter() - start, 1)
+                print(f"{label}: ready in {report['built'][label]} s", flush=True)
+    if args.export:
+        report["exported"] = export(args.export)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
