@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Issue 12 on the H200 in one call: real CUDA SGLang servers with our plugin, plain vs KDTREE, token for token
 # (tests/gpu/test_server_cuda.py), through the test-only sgl_kernel stand-in (tests/e2e/sgl_kernel_cuda).
-# Logs land in $OUT (server logs under $OUT/servers), a short table prints last.
+# $OUT gets steps.txt, table.txt, summary.json, logs.tar.gz (every step and server log, round logs) and
+# jitcache-server.tar.gz; a short table prints last.
 #
 # The call (from the repo root; .whl / .whl-server from ../shared/device/fetch-sglang-wheels.sh):
 #   run(command="bash benchmarks/device_server.sh", carry=[".whl", ".whl-server", ".tiny_models",
 #       ".jitcache-server"], timeout_s=600, kind="nvidia-h200")
 # .tiny_models (optional, ~1 MB): `python tests/e2e/make_tiny_models.py .tiny_models` built on any machine;
 #   without it the models are built here (about a minute of CPU).
-# .jitcache-server (optional): SGLang's JIT modules a previous call built, returned in $OUT/jitcache-server
-#   (carry them back to skip the nvcc compiles; the cache checks its own build keys).
+# .jitcache-server (optional): SGLang's JIT modules a previous call built, returned as
+#   $OUT/jitcache-server.tar.gz (`mkdir -p .jitcache-server && tar -xzf .../jitcache-server.tar.gz -C
+#   .jitcache-server`, then carry it to skip the nvcc compiles; the cache checks its own build keys).
 # Knobs: DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KDTREE_KIMI_MODELS (adds the Kimi-shaped variants).
@@ -17,37 +19,48 @@ set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOGS=/tmp/device_server_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT (8 files come back)
 : > "$OUT/steps.txt"
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $OUT/NAME.log
+# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $LOGS/NAME.log
 step() {
   local name=$1 cap=$2; shift 2
   local budget; budget=$(left); [ "$cap" -gt "$budget" ] && cap=$budget
   [ "$cap" -le 0 ] && { echo "$name SKIPPED (no time left)" >> "$OUT/steps.txt"; return 124; }
   local t0; t0=$(date +%s)
-  timeout --kill-after=5 "$cap" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  timeout --kill-after=5 "$cap" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
   return $rc
 }
 
 step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-server/*.whl
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-step editable 90 pip install -q --no-deps --no-build-isolation -e .
+step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
 python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
+# SGLang finds the plugin only through the installed package's entry point (PYTHONPATH alone is not enough)
+PLUGIN_CHECK="
+from importlib.metadata import entry_points
+eps = [(e.name, e.value, str(getattr(e.dist, '_path', ''))) for e in entry_points(group='sglang.srt.plugins')]
+print(eps); assert any(n == 'kdtree' for n, _, _ in eps), 'kdtree plugin entry point not visible'"
+if ! step plugin 30 python3 -c "$PLUGIN_CHECK"; then
+  # the editable install did not register it for this python: install a regular copy next to the wheels
+  step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
+  step plugin_regular 30 python3 -c "$PLUGIN_CHECK"
+fi
 
 export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
 mkdir -p "$SGLANG_JIT_CACHE_DIR"
 [ -d .jitcache-server ] && cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
 
+# built here if missing (an ignored folder: it stays on a warm machine between calls)
 export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.tiny_models}
-[ -d "$KDTREE_TINY_MODELS" ] || KDTREE_TINY_MODELS=/tmp/tiny_models
 step models 200 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_tiny_models as m; print(m.ensure_built(Path('$KDTREE_TINY_MODELS'), log=print))"
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
-export KDTREE_SERVER_LOGS="$OUT/servers"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
+git rev-parse HEAD > "$LOGS/commit.txt" 2>/dev/null
+export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table
 TEST_CAP=$(( $(left) - 25 ))
@@ -62,12 +75,14 @@ else
 fi
 
 # bring SGLang's JIT modules back (carry them as .jitcache-server next time) when they are small enough
-if [ "$(du -sm "$SGLANG_JIT_CACHE_DIR" | cut -f1)" -lt 40 ]; then
-  cp -a "$SGLANG_JIT_CACHE_DIR" "$OUT/jitcache-server" 2>/dev/null
-fi
+tar -czf /tmp/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR" . 2>/dev/null
+[ "$(du -m /tmp/jitcache-server.tar.gz | cut -f1)" -lt 15 ] && cp /tmp/jitcache-server.tar.gz "$OUT/"
+cp "$KDTREE_SERVER_LOGS/table.txt" "$KDTREE_SERVER_LOGS/summary.json" "$OUT/" 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 
 echo "== steps"; cat "$OUT/steps.txt"
-[ -f "$OUT/tests.log" ] && { grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12; tail -2 "$OUT/tests.log"; }
+tail -n2 "$LOGS"/plugin*.log
+[ -f "$LOGS/tests.log" ] && { grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -12; tail -2 "$LOGS/tests.log"; }
 for f in "$KDTREE_SERVER_LOGS"/*.log; do
   [ -f "$f" ] || continue
   # the first error line of each server that logged one
@@ -76,5 +91,5 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
 done
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
-[ -f "$OUT/probe.log" ] && tail -30 "$OUT/probe.log"
+[ -f "$LOGS/probe.log" ] && [ ! -f "$KDTREE_SERVER_LOGS/table.txt" ] && tail -30 "$LOGS/probe.log"
 true

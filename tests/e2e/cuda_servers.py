@@ -8,9 +8,11 @@ pinned torch; ``soundfile``; the CUTLASS DSL) is replaced by the test-only stand
 ``tests/e2e/sgl_kernel_cuda`` (see its ``sgl_kernel/__init__.py`` and ``sitecustomize.py``), put first on
 every server's ``PYTHONPATH``.
 
-Every server of one comparison set starts at once (distinct ports; each one's KV pool is capped by
-``--max-total-tokens``, and ``--mem-fraction-static`` leaves room for the neighbours that grow while it
-profiles), then ``NUM_PROMPTS`` greedy prompts of mixed lengths go to each, concurrently, by ``input_ids``.
+Every server of one comparison set starts at once, on distinct ports, then ``NUM_PROMPTS`` greedy prompts
+of mixed lengths go to each, concurrently, by ``input_ids``. Memory: SGLang sizes a server's KV budget as
+the free memory when it profiles minus ``(1 - mem_fraction_static)`` x the free memory when it started, so
+``--mem-fraction-static 0.3`` (~42 GB of an H200) is headroom for what the neighbours allocate meanwhile;
+the pool itself is capped by ``--max-total-tokens`` (a few hundred MB for these models).
 
 CLI (used by ``benchmarks/device_server.sh`` to probe a first run; the test is
 ``tests/gpu/test_server_cuda.py``)::
@@ -130,7 +132,7 @@ def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) 
         "--page-size", "1",
         "--disable-overlap-schedule",
         "--disable-radix-cache",
-        "--mem-fraction-static", "0.15",
+        "--mem-fraction-static", "0.3",
         "--max-total-tokens", "32768",
         "--max-running-requests", str(MAX_RUNNING),
         "--chunked-prefill-size", "1024",
@@ -354,7 +356,8 @@ def main(argv=None) -> int:
     for dtype in args.dtypes.split(","):
         table = variants(dtype)
         chosen += [table[m] for m in args.models.split(",") if m in table]
-    chosen = list(dict.fromkeys(chosen))  # the bf16 Kimi variants appear once whatever --dtypes says
+    # the bf16 Kimi variants appear once whatever --dtypes says
+    chosen = list({(v.name, v.dtype): v for v in chosen}.values())
     modes = [{"graph": True, "eager": False}[m] for m in args.modes.split(",")]
     summary = compare(chosen, modes, args.out)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -3,8 +3,9 @@
 Why it exists: SGLang 0.5.23 on CUDA imports ops from the ``sglang-kernel`` binary wheel, which is built
 against SGLang's pinned torch (2.14.1). The H200 test machine has torch 2.11 and no package index, so that
 wheel cannot run there. Most of SGLang's CUDA path already goes through SGLang's own JIT kernels
-(``sglang.kernels.ops``: rope, MoE top-k / fused gate, ``moe_align_block_size``, concat_mla, the Triton
-attention and fused-MoE kernels); what is left are the few names below. ``tests/e2e/cuda_servers.py``
+(``sglang.kernels.ops``: rope, MoE top-k / fused gate, concat_mla, the Triton attention and fused-MoE
+kernels); what is left are the few names below (some of them ``KernelBackend.AOT`` registrations of
+``sglang.kernels.ops`` itself, e.g. ``sgl_kernel:moe_align_block_size``). ``tests/e2e/cuda_servers.py``
 puts this folder first on the server's ``PYTHONPATH`` (with ``sitecustomize.py`` beside it for the
 import shims).
 
@@ -13,7 +14,8 @@ Contract (like the CPU stand-in in ``tests/e2e/sgl_kernel_stub``):
 * every op a CUDA server of the test targets calls is implemented here in plain torch (device-agnostic,
   so ``tests/test_sgl_kernel_cuda_standin.py`` checks it on CPU against float64 math), with the argument
   order of the real op and a docstring naming its SGLang call site;
-* ``sgl_kernel.utils.is_arch_support_pdl`` delegates to SGLang's own ``sglang.kernels.jit.utils``;
+* ``moe_align_block_size`` and ``sgl_kernel.utils.is_arch_support_pdl`` delegate to SGLang's own JIT
+  kernel / helper (``sglang.kernels.ops.moe.moe_align``, ``sglang.kernels.jit.utils``);
 * Marlin ops from ``_marlin_ops.py`` (helper B's file, if present): every name in its ``__all__`` becomes
   ``sgl_kernel.<name>``; a module attribute ``scalar_type`` of it is registered as
   ``sgl_kernel.scalar_type``;
@@ -140,6 +142,30 @@ def moe_sum_reduce(input: torch.Tensor, output: torch.Tensor, routed_scaling_fac
     output.copy_(input.float().sum(dim=1) * routed_scaling_factor)
 
 
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                         sorted_token_ids: torch.Tensor, experts_ids: torch.Tensor,
+                         num_tokens_post_pad: torch.Tensor, cumsum_buffer: torch.Tensor,
+                         pad_sorted_token_ids: bool = False, ignore_invalid_expert: bool = False) -> None:
+    """Block-align the (token, expert) pairs for the fused-MoE GEMM, through SGLang's own JIT kernel
+    ``sglang.kernels.ops.moe.moe_align:moe_align_block_size`` (same positional contract: ``num_experts``
+    already counts the +1 bucket of filtered ids; SGLang calls that JIT kernel with these arguments itself
+    when ``return_inactive_prefix_count`` / ``pad_expert_ids`` is asked for).
+
+    Call site: ``sglang/kernels/ops/moe/__init__.py:moe_align_block_size`` (the ``KernelBackend.AOT``
+    registration ``sgl_kernel:moe_align_block_size``), reached from
+    ``sglang/srt/layers/moe/moe_runner/triton_utils/moe_align_block_size.py:moe_align_block_size`` for every
+    Triton fused-MoE and Marlin MoE forward above the tiny-batch Triton path."""
+    if ignore_invalid_expert:
+        raise NotImplementedError(
+            "sgl_kernel.moe_align_block_size(ignore_invalid_expert=True) (expert parallelism) is not provided "
+            "by the sglang-kdtree CUDA test stand-in (tests/e2e/sgl_kernel_cuda)"
+        )
+    from sglang.kernels.ops.moe.moe_align import moe_align_block_size as jit_moe_align_block_size
+
+    jit_moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids,
+                             num_tokens_post_pad, cumsum_buffer, pad_sorted_token_ids)
+
+
 def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over the same memory as ``tensor`` (same shape, strides, offset).
 
@@ -159,6 +185,7 @@ _IMPLEMENTED = {
     "gelu_and_mul": gelu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "moe_sum_reduce": moe_sum_reduce,
+    "moe_align_block_size": moe_align_block_size,
     "weak_ref_tensor": weak_ref_tensor,
 }
 
