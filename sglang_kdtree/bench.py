@@ -82,15 +82,24 @@ def cpu_round(logits: np.ndarray, budget: int, seq_lens: np.ndarray, seed: int =
     return times
 
 
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _cell(v) -> str:
+    """A figure: ``median (min-max)`` for a ``(median, lo, hi)`` triple, the value itself otherwise."""
+    if isinstance(v, tuple):
+        med, lo, hi = v
+        return f"{_fmt(med)} ({_fmt(lo)}-{_fmt(hi)})"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    header = " | ".join(title for _, title in columns)
+    cells = [[_cell(row.get(key, "")) for key, _ in columns] for row in rows]
+    widths = [max([len(title)] + [len(r[i]) for r in cells]) for i, (_, title) in enumerate(columns)]
+    header = " | ".join(f"{title:>{w}}" for (_, title), w in zip(columns, widths))
     lines = [header, "-" * len(header)]
-    for row in rows:
-        cells = []
-        for key, title in columns:
-            v = row.get(key, "")
-            cells.append(f"{v:>{len(title)}.2f}" if isinstance(v, float) else f"{v!s:>{len(title)}}")
-        lines.append(" | ".join(cells))
+    lines += [" | ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
 
 
@@ -105,54 +114,85 @@ CPU_COLUMNS = [
     ("total", "total ms"),
 ]
 
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 1
 
-def run_cpu_bench(batches, budgets, depths, vocab, repeats: int = 1, progress=None) -> list[dict]:
+
+def run_cpu_bench(batches, budgets, depths, vocab, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP,
+                  progress=None) -> list[dict]:
+    """One row per (batch, budget); each stage is ``(median, min, max)`` over ``repeats`` timed rounds, run
+    after ``warmup`` untimed rounds on the same logits (each round draws its own tree root and target)."""
     rows = []
     configs = [(b, k) for b in batches for k in budgets]
     for n, (bs, budget) in enumerate(configs, 1):
         if progress:
-            progress(f"[{n}/{len(configs)}] CPU reference: batch {bs}, budget {budget} ...")
+            progress(f"[{n}/{len(configs)}] CPU reference: batch {bs}, budget {budget}, "
+                     f"{warmup} warm-up + {repeats} timed rounds ...")
         logits = synthetic_draft_logits(bs, depths, vocab, seed=bs * 1000 + budget)
         seq_lens = np.random.default_rng(bs).integers(100, 4000, size=bs)
+        for r in range(warmup):
+            cpu_round(logits, budget, seq_lens, seed=repeats + r)
         runs = [cpu_round(logits, budget, seq_lens, seed=r) for r in range(repeats)]
-        best = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-        rows.append({"batch": bs, "budget": budget, **best})
+        stats = {k: (float(np.median([r[k] for r in runs])), min(r[k] for r in runs), max(r[k] for r in runs))
+                 for k in runs[0]}
+        rows.append({"batch": bs, "budget": budget, **stats})
     return rows
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_kdtree bench",
+        description=__doc__.split("\n\n")[0] + " Every CPU figure is the median (min-max) of --repeats timed "
+        "rounds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="BS",
+                   help="batch sizes (requests per round) to time")
+    p.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B",
+                   help=f"node budgets (tree nodes per request, 1..{R.MAX_BUDGET}) to time")
+    p.add_argument("--depths", type=int, default=KIMI_DEPTHS, help="draft depths L (drafter block size - 1), 1..31")
+    p.add_argument("--vocab", type=int, default=KIMI_VOCAB, help="vocabulary size V of the synthetic draft logits")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help="timed CPU rounds per configuration; the table shows their median (min-max)")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                   help="untimed CPU rounds per configuration before the timed ones")
+    p.add_argument("--cpu-only", action="store_true", help="skip the GPU table even where a GPU exists")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_kdtree bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES))
-    p.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
-    p.add_argument("--depths", type=int, default=KIMI_DEPTHS, help="draft depths L (block size - 1)")
-    p.add_argument("--vocab", type=int, default=KIMI_VOCAB)
-    p.add_argument("--repeats", type=int, default=1, help="CPU repeats per configuration (median)")
-    p.add_argument("--cpu-only", action="store_true", help="skip the GPU columns even where a GPU exists")
+    p = _parser()
     args = p.parse_args(argv)
     for b in args.budgets:
         if not 1 <= b <= R.MAX_BUDGET:
             p.error(f"--budgets: {b} is outside [1, {R.MAX_BUDGET}]")
     if not 1 <= args.depths <= 31 or args.vocab < 1 or min(args.batches) < 1:
         p.error("--depths must lie in [1, 31], --vocab and --batches must be >= 1")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     print(f"DDTree round, L = {args.depths}, V = {args.vocab:,}, synthetic peaked draft logits", flush=True)
-    rows = run_cpu_bench(args.batches, args.budgets, args.depths, args.vocab, args.repeats, progress)
-    print("\nCPU reference pipeline (numpy + Python heapq; milliseconds per round, one core):")
+    rows = run_cpu_bench(args.batches, args.budgets, args.depths, args.vocab, args.repeats, args.warmup, progress)
+    runs = "run" if args.repeats == 1 else "runs"
+    print(f"\nCPU reference pipeline (numpy + Python heapq; milliseconds per round, one core). Each figure: "
+          f"median (min-max) of {args.repeats} timed {runs} after {args.warmup} warm-up:")
     print(format_table(rows, CPU_COLUMNS))
 
     from sglang_kdtree.gpu.runtime import gpu_unavailable_reason
 
     reason = "--cpu-only was given" if args.cpu_only else gpu_unavailable_reason()
     if reason is not None:
-        print(f"\nGPU columns: not run ({reason}). They need a CUDA GPU with CuPy (cupy-cuda13x).")
+        print(f"\nGPU table: not run ({reason}). It needs a CUDA GPU with CuPy (cupy-cuda13x).")
         return 0
     from sglang_kdtree.bench_gpu import format_table as gpu_table
     from sglang_kdtree.bench_gpu import run_gpu_bench
 
-    print("\nService CPU path (torch top-K on the GPU, host heapq, numpy mask) vs our GPU kernels, same run:")
+    print("\nService CPU path (torch top-K on the GPU, host heapq, numpy mask) vs our GPU kernels, same run. Each "
+          "figure: a median (GPU stages: CUDA events, 20 runs after 3 warm-up; host stages: 3 runs; see "
+          "sglang_kdtree.bench_gpu.run_gpu_bench):")
     gpu_rows = run_gpu_bench(
         args.batches, args.budgets, args.depths, args.vocab,
         progress=lambda row: progress(f"GPU: batch {row['batch']}, budget {row['budget']} done"),
