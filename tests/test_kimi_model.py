@@ -269,3 +269,32 @@ def test_manifest_and_rebuild_is_deterministic(built, tmp_path):
     # the export stage alone, from the same stage, writes byte-identical checkpoints
     again = kimi.export(built.stage, tmp_path, log=lambda *_: None)
     assert again["sha256"] == manifest["sha256"]
+
+
+def test_marlin_ops_scalar_types_match_sgl_kernel():
+    """The CUDA stand-in's ``sgl_kernel.scalar_type`` (tests/e2e/sgl_kernel_cuda/sgl_kernel/_marlin_ops.py)
+    gives the Marlin kernels the same type ids as the real pure-Python module (installed in the CPU venv)."""
+    import importlib.util
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    # the real module is pure Python; load it by path (sgl_kernel/__init__ needs its CUDA library)
+    installed = importlib.util.find_spec("sgl_kernel")
+    if installed is None or not Path(installed.origin).with_name("scalar_type.py").exists():
+        pytest.skip("sgl_kernel (the real wheel) is not installed here")
+    real = load("real_sgl_kernel_scalar_type", Path(installed.origin).with_name("scalar_type.py"))
+    ops = load("kdtree_marlin_ops_under_test",
+               Path(__file__).resolve().parent / "e2e" / "sgl_kernel_cuda" / "sgl_kernel" / "_marlin_ops.py")
+    names = ("uint4b8", "uint8b128", "uint4", "uint8", "float4_e2m1f", "float8_e4m3fn")
+    for name in names:
+        ours, theirs = getattr(ops.scalar_type.scalar_types, name), getattr(real.scalar_types, name)
+        assert ours.id == theirs.id, name
+        assert ours.size_bits == theirs.size_bits and ours.has_bias() == theirs.has_bias(), name
+    assert ops.scalar_type.scalar_types.uint4b8 in [ops.scalar_type.scalar_types.uint4b8]
+    with pytest.raises(AttributeError, match="float6_e3m2f"):
+        ops.scalar_type.scalar_types.float6_e3m2f
+    assert ops.__all__ == []
