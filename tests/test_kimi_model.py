@@ -167,16 +167,18 @@ def test_compressed_tensors_decompresses_the_same_values(built, tensors, staged)
     torch.testing.assert_close(weight, staged[base + "weight"].to(torch.bfloat16), rtol=0, atol=0)
 
 
-def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
-    """SGLang's CompressedTensorsWNA16MoE.create_weights + FusedMoE's weight loader (with the name mapping of
-    deepseek_v2's loader) load every expert tensor; the loaded layout dequantizes to the trained weights."""
+def sglang_moe_layer(built, tensors, layer_index: int):
+    """A ``FusedMoE`` of SGLang's, built only as far as its weight loading needs (``FusedMoE.__init__`` needs a
+    parallel state), with ``CompressedTensorsWNA16MoE``'s parameters loaded through FusedMoE's own weight
+    loader and the name mapping of deepseek_v2's loader. Returns (layer, names of the tensors it took)."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsFusedMoEMethod
 
     qc = quant_config(built)
-    layer = FusedMoE.__new__(FusedMoE)  # FusedMoE.__init__ needs a parallel state; set what the loader reads
+    layer = FusedMoE.__new__(FusedMoE)
     torch.nn.Module.__init__(layer)
-    layer.scheme = qc.get_moe_scheme(layer, "model.layers.1.mlp.experts")
+    prefix = f"model.layers.{layer_index}.mlp."
+    layer.scheme = qc.get_moe_scheme(layer, prefix + "experts")
     layer.quant_config, layer.quant_method = qc, CompressedTensorsFusedMoEMethod(qc)
     layer.moe_tp_size, layer.moe_tp_rank, layer.moe_runner_config = 1, 0, SimpleNamespace(is_gated=True)
     layer.use_padded_loading = layer.use_presharded_weights = layer.use_triton_kernels = False
@@ -186,7 +188,6 @@ def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
     params = dict(layer.named_parameters())
     mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
                                                   ckpt_up_proj_name="up_proj", num_experts=16)
-    prefix = "model.layers.1.mlp."
     loaded = set()
     for name, value in tensors.items():
         if not name.startswith(prefix + "experts."):
@@ -196,20 +197,68 @@ def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
         assert local in params, local
         FusedMoE._weight_loader_impl(layer, params[local], value, local, shard_id, expert_id)
         loaded.add(name)
+    return layer, loaded
+
+
+def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
+    """SGLang's CompressedTensorsWNA16MoE.create_weights + FusedMoE's weight loader load every expert tensor;
+    the loaded layout dequantizes to the trained weights."""
+    from sglang_kdtree.marlin_moe import PackedMoEWeights, dequantize
+
+    layer, loaded = sglang_moe_layer(built, tensors, 1)
     assert len(loaded) == 16 * 3 * 3
     assert bool((layer.w13_weight_shape == 256).all()) and bool((layer.w2_weight_shape == 256).all())
     # [E, in/8, out] after the loader's transpose: gate columns [0, N), up [N, 2N)
-    from sglang_kdtree.marlin_moe import PackedMoEWeights, dequantize
-
     weights = PackedMoEWeights(layer.w13_weight_packed.data, layer.w13_weight_scale.data,
                                layer.w2_weight_packed.data, layer.w2_weight_scale.data)
     weights.validate()
     w13 = dequantize(weights.w13_packed, weights.w13_scale)
     w2 = dequantize(weights.w2_packed, weights.w2_scale)
+    prefix = "model.layers.1.mlp."
     for e in (0, 9, 15):
         gate, up = staged[f"{prefix}experts.{e}.gate_proj.weight"], staged[f"{prefix}experts.{e}.up_proj.weight"]
         torch.testing.assert_close(w13[e], torch.cat([gate, up]).T, rtol=0, atol=0)
         torch.testing.assert_close(w2[e], staged[f"{prefix}experts.{e}.down_proj.weight"].T, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_sglang_plain_marlin_moe_serves_the_checkpoint(built, tensors, staged, tokens):
+    """On CUDA: SGLang's own W4A16 path on the checkpoint (``process_weights_after_loading``: JIT Marlin repack;
+    ``apply_weights`` -> ``fused_marlin_moe``: the two JIT Marlin GEMM specializations tests/e2e/prebuild_jit.py
+    pre-builds, the JIT align / SiLU kernels, ``sgl_kernel.moe_sum_reduce`` and ``scalar_type`` from the test
+    stand-in) against a float32 loop over the trained (INT4-valued) expert weights."""
+    from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+    layer, _ = sglang_moe_layer(built, tensors, 2)
+    layer.to("cuda")
+    scheme = layer.scheme
+    scheme.process_weights_after_loading(layer)
+    scheme.moe_runner_config = SimpleNamespace(activation="silu", routed_scaling_factor=kimi.ROUTED_SCALING_FACTOR,
+                                               swiglu_limit=None)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16)
+    topk_ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(tokens)]).to(torch.int32)
+    topk_weights = torch.rand(tokens, 4, generator=gen) + 0.1
+    topk_weights /= topk_weights.sum(-1, keepdim=True)
+    router_logits = torch.randn(tokens, 16, generator=gen)
+    dispatch = SimpleNamespace(hidden_states=x.cuda(), topk_output=(topk_weights.cuda(), topk_ids.cuda(),
+                                                                    router_logits.cuda()))
+    out = scheme.apply_weights(layer, dispatch)
+    assert isinstance(out, StandardCombineInput)
+    got = out.hidden_states.float().cpu()
+    prefix = "model.layers.2.mlp.experts."
+    want = torch.zeros(tokens, 256)
+    xf = x.float()
+    for t in range(tokens):
+        for k in range(4):
+            e = int(topk_ids[t, k])
+            gate = xf[t] @ staged[f"{prefix}{e}.gate_proj.weight"].T
+            up = xf[t] @ staged[f"{prefix}{e}.up_proj.weight"].T
+            want[t] += topk_weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ staged[f"{prefix}{e}.down_proj.weight"].T)
+    want *= kimi.ROUTED_SCALING_FACTOR
+    error = float((got - want).norm() / want.norm())
+    assert error < 2e-2, f"relative error {error:.4f} at {tokens} tokens"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,6 +60,15 @@ def builders(which: set[str], dtype_name: str = "bfloat16") -> list[tuple[str, o
                      lambda: _jit_moe_wna16_marlin_module(dtype, *PLAIN_GEMM1)))
         out.append((f"moe_wna16_marlin{PLAIN_GEMM2} (plain GEMM2)",
                      lambda: _jit_moe_wna16_marlin_module(dtype, *PLAIN_GEMM2)))
+    if "glue" in which:  # the small JIT modules fused_marlin_moe also calls (bf16 activations, int32 top-k ids)
+        from sglang.kernels.ops.activation.activation import activation_module
+        from sglang.kernels.ops.moe.moe_align import _jit_moe_align_module
+        from sglang.kernels.ops.moe.moe_align_single_token import _jit_align_single_token_module
+
+        out.append(("activation(bf16) (silu_and_mul)", lambda: activation_module(dtype)))
+        out.append(("moe_align_block_size(int32, inactive prefix count)",
+                    lambda: _jit_moe_align_module(torch.int32, True, False, False)))
+        out.append(("moe_align_single_token(inactive prefix count)", lambda: _jit_align_single_token_module(True)))
     if "kdtree" in which:
         from sglang_kdtree import marlin_moe
 
@@ -69,17 +78,16 @@ def builders(which: set[str], dtype_name: str = "bfloat16") -> list[tuple[str, o
 
 
 def export(dest: Path) -> list[str]:
-    """Copy every built Marlin / repack module (newest build of each module name) out of SGLang's JIT cache
-    into ``dest`` as ``<module>.so`` + ``<module>.deps.json`` (the layout ``marlin_moe.seed_prebuilt`` reads)."""
+    """Copy every built module (newest build of each module name) out of SGLang's JIT cache into ``dest`` as
+    ``<module>.so`` + ``<module>.deps.json`` (the layout ``marlin_moe.seed_prebuilt`` reads)."""
     from sglang_kdtree.marlin_moe import jit_cache_dir
 
     dest.mkdir(parents=True, exist_ok=True)
     newest: dict[str, Path] = {}
-    for pattern in ("*gptq_marlin_repack", "*moe_wna16_marlin_*"):
-        for so in jit_cache_dir().glob(f"*/{pattern}/build-*/deps-*/*.so"):
-            name = so.stem
-            if name not in newest or so.stat().st_mtime > newest[name].stat().st_mtime:
-                newest[name] = so
+    for so in jit_cache_dir().glob("*/*/build-*/deps-*/*.so"):
+        name = so.stem
+        if name not in newest or so.stat().st_mtime > newest[name].stat().st_mtime:
+            newest[name] = so
     for name, so in sorted(newest.items()):
         shutil.copy2(so, dest / so.name)
         shutil.copy2(so.parent / "sgl_deps.json", dest / f"{name}.deps.json")
@@ -103,7 +111,8 @@ def seed(source: Path, which: set[str]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--which", default="plain,kdtree",
-                        help="comma list of repack, plain (fused_marlin_moe's 2 GEMMs), kdtree (default: both)")
+                        help="comma list of repack, plain (fused_marlin_moe's 2 GEMMs), glue (its small JIT modules: "
+                             "activation, moe_align, single-token align), kdtree (default: plain,kdtree)")
     parser.add_argument("--arch", metavar="MAJOR.MINOR", help="build for this compute capability (no GPU here)")
     parser.add_argument("--seed", metavar="DIR", type=Path, help="first seed SGLang's cache from DIR")
     parser.add_argument("--no-build", action="store_true", help="only seed / export; do not build what is missing")
@@ -111,7 +120,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     which = {w.strip() for w in args.which.split(",") if w.strip()}
-    unknown = which - {"repack", "plain", "kdtree"}
+    unknown = which - {"repack", "plain", "glue", "kdtree"}
     if unknown:
         parser.error(f"unknown --which entries {sorted(unknown)}")
     arch = contextlib.nullcontext()
