@@ -152,7 +152,7 @@ class KDTreeWorker(DFlashWorkerV2):
         from sglang.srt.model_executor.model_runner import SamplingPrewarmResult
 
         runner = self.target_worker.model_runner
-        if self.device.type != "cuda" or self.backend.name != "gpu":
+        if self.backend.name != "gpu":  # CUDA (select_backend); self.device may be a str
             return runner.prewarm_sampling()
         # the largest verify batch, bounded like SGLang's graph batch sizes: larger batches grow the buffers
         bs = min(self._prewarm_batch_size(self.verify_width), _PREWARM_MAX_BATCH)
@@ -342,7 +342,7 @@ class KDTreeWorker(DFlashWorkerV2):
             siblings.append(sum(int(first_child[b, p]) != c for p, c in zip(path, path[1:])))
         record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
                   "backend": self.backend.name, "graph": bool(graph), "ms": marks.split()}
-        if self.device.type == "cuda":
+        if self.backend.name == "gpu":
             from sglang_kdtree.gpu import mla_attention
 
             record["mla_launches"] = mla_attention.launch_count(self.device)
