@@ -59,11 +59,6 @@ MAX_RUNNING = 48  # >= NUM_PROMPTS, so every prompt is in flight at once
 DECODE_GRAPH_BS = [1, 2, 4, 8, 16, 24, 32, 40, 48]
 PREFILL_GRAPH_TOKENS = [64, 256, 1024]
 
-# TEMPORARY (see tests/e2e/sgl_kernel_cuda/sitecustomize.py): KDTreeWorker.prewarm_sampling rehearses
-# DFLASH's sampled verify, whose kernel needs FlashInfer; drop once the worker rehearses its own path.
-STANDIN_ENV = {"KDTREE_STANDIN_SKIP_DFLASH_SAMPLING_PREWARM": "1"}
-
-
 @dataclass(frozen=True)
 class Variant:
     """One target (and its DFlash drafter) served plain and with KDTREE under the same settings."""
@@ -112,7 +107,6 @@ def free_port() -> int:
 
 def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update(STANDIN_ENV)
     env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join(
         [str(STANDIN_DIR), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
@@ -312,6 +306,13 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
             rec["round_log_exists"] = bool(server.round_log and server.round_log.exists())
             rec["rounds"] = len(records)
             rec["max_batch_in_round"] = max((len(r.get("accept_lens", [])) for r in records), default=0)
+            rec["backends"] = sorted({str(r.get("backend")) for r in records})
+            rec["graph_rounds"] = sum(bool(r.get("graph")) for r in records)
+            # device counters (process totals so far): fused MLA tree-verify launches, routed Marlin MoE calls
+            graph_mla = [r["mla_launches"] for r in records if r.get("graph") and "mla_launches" in r]
+            rec["mla_launches"] = max((r.get("mla_launches", 0) for r in records), default=0)
+            rec["mla_launches_during_graph_rounds"] = graph_mla[-1] - graph_mla[0] if len(graph_mla) > 1 else 0
+            rec["marlin_routed"] = max((r.get("marlin_routed", 0) for r in records), default=0)
             summary["servers"][name] = rec
         for v in variants_:
             for g in modes:
@@ -330,7 +331,7 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
 
 def format_table(summary: dict) -> str:
     lines = [f"{'server':44s} {'ready_s':>8s} {'tokens':>7s} {'accept':>7s} {'rounds':>6s} {'maxbs':>5s} "
-             f"{'gpu':>4s}  error"]
+             f"{'gpu':>4s} {'graph':>5s} {'mla':>6s} {'marlin':>6s}  error"]
     for name, rec in summary["servers"].items():
         ready = f"{rec['ready_s']:.0f}" if rec.get("ready_s") else "-"
         acc = f"{rec['accept_length']:.2f}" if rec.get("accept_length") else "-"
@@ -338,7 +339,8 @@ def format_table(summary: dict) -> str:
         err_line = next((e for e in reversed(err) if e.strip()), "")[:90] if err else ""
         lines.append(f"{name:44s} {ready:>8s} {rec.get('completion_tokens', '-')!s:>7s} {acc:>7s} "
                      f"{rec.get('rounds', 0):>6d} {rec.get('max_batch_in_round', 0):>5d} "
-                     f"{'yes' if rec.get('gpu_backend') else 'no':>4s}  {err_line}")
+                     f"{'yes' if rec.get('gpu_backend') else 'no':>4s} {rec.get('graph_rounds', 0):>5d} "
+                     f"{rec.get('mla_launches', 0):>6d} {rec.get('marlin_routed', 0):>6d}  {err_line}")
     for key, pair in summary["pairs"].items():
         verdict = {True: "IDENTICAL", False: "DIFFER", None: "NOT RUN"}[pair["identical"]]
         lines.append(f"kdtree vs plain {key:30s} {verdict}  {pair['mismatch'] or ''}"[:200])

@@ -92,5 +92,29 @@ def test_kdtree_server_ran_gpu_rounds(comparison, model, mode):
     assert rec["error"] is None, rec["error"][-4000:]
     assert rec["gpu_backend"], f"no 'gpu backend' in {rec['log']}"
     assert rec["round_log_exists"] and rec["rounds"] > 0, f"no round records next to {rec['log']}"
+    assert rec["backends"] == ["gpu"], rec["backends"]
     assert rec["max_batch_in_round"] > 1
     assert rec["accept_length"] is not None and rec["accept_length"] > 1.5
+    if MODES[mode]:
+        assert rec["graph_rounds"] > 0, "no verify forward replayed a CUDA graph"
+    else:
+        assert rec["graph_rounds"] == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model", ["kimi", "kimi-marlin"])
+def test_kimi_fused_mla_and_marlin_ran(comparison, model, mode):
+    """On the Kimi-shaped target (MLA q/k 576, v 512) the fused MLA tree-verify kernel ran, inside graph
+    replays when graphs are on (its device counter grew between the first and last graph-replayed rounds);
+    with ``SGLANG_KDTREE_MOE=marlin`` our Marlin MoE path was routed."""
+    table, summary = comparison
+    if model not in table:
+        pytest.skip("KDTREE_KIMI_MODELS is not set")
+    _, spec, _ = _names(table[model], mode)
+    rec = summary["servers"][spec]
+    assert rec["error"] is None, rec["error"][-4000:]
+    assert rec["mla_launches"] > 0, "the fused MLA tree-verify kernel never launched"
+    if MODES[mode]:
+        assert rec["mla_launches_during_graph_rounds"] > 0, "no MLA launch inside the replayed verify graphs"
+    if table[model].env.get("SGLANG_KDTREE_MOE") == "marlin":
+        assert rec["marlin_routed"] > 0, "no MoE call was routed to sglang_kdtree.marlin_moe"

@@ -15,12 +15,6 @@ metadata on CUDA, ``entrypoints/engine.py:_set_envs_and_config``), it registers:
   its ``top_k_renorm_prob`` / ``top_p_renorm_prob`` (lazy FlashInfer imports that would fail on first
   call) are pointed at SGLang's own Triton kernels (``sglang.kernels.ops.sampling.renorm_triton``, what
   SGLang uses on ROCm). Used by DFLASH's / EAGLE's sampled verify, not by greedy decoding.
-* TEMPORARY, only with ``KDTREE_STANDIN_SKIP_DFLASH_SAMPLING_PREWARM=1``: after
-  ``sglang.srt.speculative.dflash_utils`` imports, ``_DFLASH_SAMPLING_VERIFY_AVAILABLE = False``.
-  ``KDTreeWorker.prewarm_sampling`` currently delegates to DFLASH's, which rehearses DFLASH's sampled
-  verify (``tree_speculative_sampling_target_only``, a JIT kernel that needs FlashInfer's headers), not
-  the path KDTREE takes; with the flag off DFLASH's prewarm falls back to the model runner's. Drop this
-  when the worker rehearses its own path.
 """
 
 from __future__ import annotations
@@ -75,17 +69,11 @@ def _renorm_without_flashinfer(module) -> None:
     module.top_p_renorm_prob = renorm_triton.top_p_renorm_probs_triton
 
 
-def _skip_dflash_sampling_prewarm(module) -> None:
-    if os.environ.get("KDTREE_STANDIN_SKIP_DFLASH_SAMPLING_PREWARM") == "1":
-        module._DFLASH_SAMPLING_VERIFY_AVAILABLE = False
-
-
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
     """Runs a patch right after the named module's own code, before anyone imports names from it."""
 
     PATCHES = {
         "sglang.kernels.ops.sampling.renorm": _renorm_without_flashinfer,
-        "sglang.srt.speculative.dflash_utils": _skip_dflash_sampling_prewarm,
     }
 
     def find_spec(self, fullname, path=None, target=None):
