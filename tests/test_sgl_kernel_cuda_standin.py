@@ -253,3 +253,19 @@ def test_harness_first_mismatch(cs):
     assert cs.first_mismatch(a, b).startswith("prompt 1: first differing output index 1")
     c = [{"output_ids": [1, 2]}, {"output_ids": [4, 5]}]
     assert "index 2" in cs.first_mismatch(a, c)
+
+
+def test_trace_records_first_call_per_op(tmp_path, monkeypatch):
+    trace = tmp_path / "ops.txt"
+    monkeypatch.setenv("KDTREE_STANDIN_TRACE", str(trace))
+    alias = "kdtree_cuda_standin_sgl_kernel_traced"
+    try:
+        module = _load(STANDIN / "sgl_kernel", alias)
+        x = torch.ones(2, 8)
+        module.rmsnorm(x, torch.ones(8))
+        module.rmsnorm(x, torch.ones(8))
+        module.silu_and_mul(x)
+        names = [line.split()[0] for line in trace.read_text().splitlines()]
+        assert names == ["rmsnorm", "silu_and_mul"]
+    finally:
+        sys.modules.pop(alias, None)

@@ -221,6 +221,8 @@ def start_servers(plan: list[tuple[Variant, bool, bool]], log_dir: Path) -> dict
     for variant, kdtree, cuda_graph in plan:
         name = server_name(variant, kdtree, cuda_graph)
         env = dict(variant.env)
+        env["KDTREE_STANDIN_TRACE"] = str(log_dir / f"standin-ops-{name}.txt")
+        Path(env["KDTREE_STANDIN_TRACE"]).unlink(missing_ok=True)
         if kdtree:
             round_log = log_dir / f"rounds-{name}.jsonl"
             round_log.unlink(missing_ok=True)
@@ -294,8 +296,11 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                     failed[name] = f"{name}: generate failed: {exc!r}\n{servers[name].log_tail()}"
         for name, server in servers.items():
             log = server.log_text()
+            trace = log_dir / f"standin-ops-{name}.txt"
             rec = {"ready_s": server.ready_s, "error": failed.get(name), "log": str(server.log_path),
-                   "gpu_backend": "gpu backend" in log}
+                   "gpu_backend": "gpu backend" in log,
+                   "standin_ops_called": sorted({line.split()[0] for line in trace.read_text().splitlines()
+                                                 if line.strip()}) if trace.exists() else []}
             if name in outputs:
                 rec["output_ids"] = [r["output_ids"] for r in outputs[name]]
                 rec["completion_tokens"] = sum(r["meta_info"]["completion_tokens"] for r in outputs[name])
@@ -336,11 +341,15 @@ def format_table(summary: dict) -> str:
         ready = f"{rec['ready_s']:.0f}" if rec.get("ready_s") else "-"
         acc = f"{rec['accept_length']:.2f}" if rec.get("accept_length") else "-"
         err = (rec.get("error") or "").strip().splitlines()
-        err_line = next((e for e in reversed(err) if e.strip()), "")[:90] if err else ""
+        # the exception line if the log tail has one (the last lines are usually the launcher's shutdown)
+        err_line = next((e for e in reversed(err) if "Error" in e or "Exception" in e),
+                        next((e for e in reversed(err) if e.strip()), ""))[:110] if err else ""
         lines.append(f"{name:44s} {ready:>8s} {rec.get('completion_tokens', '-')!s:>7s} {acc:>7s} "
                      f"{rec.get('rounds', 0):>6d} {rec.get('max_batch_in_round', 0):>5d} "
                      f"{'yes' if rec.get('gpu_backend') else 'no':>4s} {rec.get('graph_rounds', 0):>5d} "
                      f"{rec.get('mla_launches', 0):>6d} {rec.get('marlin_routed', 0):>6d}  {err_line}")
+    ops = sorted({op for rec in summary["servers"].values() for op in rec.get("standin_ops_called", [])})
+    lines.append(f"sgl_kernel stand-in ops called (any server): {', '.join(ops) or '-'}")
     for key, pair in summary["pairs"].items():
         verdict = {True: "IDENTICAL", False: "DIFFER", None: "NOT RUN"}[pair["identical"]]
         lines.append(f"kdtree vs plain {key:30s} {verdict}  {pair['mismatch'] or ''}"[:200])

@@ -198,7 +198,30 @@ if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mar
     if isinstance(getattr(_marlin_ops, "scalar_type", None), types.ModuleType):
         sys.modules[f"{__name__}.scalar_type"] = _marlin_ops.scalar_type
 
-globals().update(_IMPLEMENTED)
+
+
+def _traced(name: str, fn):
+    """With ``KDTREE_STANDIN_TRACE=FILE``: append ``name`` to FILE on the op's first call in this process
+    (the harness records which stand-in ops a server really used)."""
+    import functools
+
+    path = os.environ.get("KDTREE_STANDIN_TRACE")
+    if not path:
+        return fn
+    seen = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not seen:
+            seen.append(True)
+            with open(path, "a") as f:
+                f.write(f"{name} pid={os.getpid()}\n")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+globals().update({name: _traced(name, fn) for name, fn in _IMPLEMENTED.items()})
 
 
 def __getattr__(name: str):
