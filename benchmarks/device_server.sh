@@ -5,13 +5,14 @@
 # jitcache-server.tar.gz; a short table prints last.
 #
 # The call (from the repo root; .whl / .whl-server from ../shared/device/fetch-sglang-wheels.sh):
-#   run(command="bash benchmarks/device_server.sh", carry=[".whl", ".whl-server", ".tiny_models",
-#       ".jitcache-server"], timeout_s=600, kind="nvidia-h200")
+#   run(command="bash benchmarks/device_server.sh", carry=[".whl", ".whl-server", ".jitcache-server"],
+#       timeout_s=600, kind="nvidia-h200")
 # .tiny_models (optional, ~1 MB): `python tests/e2e/make_tiny_models.py .tiny_models` built on any machine;
 #   without it the models are built here (about a minute of CPU).
 # .jitcache-server (optional): SGLang's JIT modules a previous call built, returned as
-#   $OUT/jitcache-server.tar.gz (`mkdir -p .jitcache-server && tar -xzf .../jitcache-server.tar.gz -C
-#   .jitcache-server`, then carry it to skip the nvcc compiles; the cache checks its own build keys).
+#   $OUT/jitcache-server.tar.gz (~5 MB; put that file into .jitcache-server/ and carry the folder to skip the
+#   nvcc compiles; the cache checks its own build keys). Carry budget: the wheels are 57.5 MiB of the 64, so
+#   .tiny_models (~2 MB) and .jitcache-server (~5 MB) do not both fit: .jitcache-server saves more.
 # Knobs: DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KIMI=1 (build the Kimi-shaped target into
@@ -52,7 +53,11 @@ fi
 
 export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
 mkdir -p "$SGLANG_JIT_CACHE_DIR"
-[ -d .jitcache-server ] && cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
+if [ -f .jitcache-server/jitcache-server.tar.gz ]; then
+  tar -xzf .jitcache-server/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR"
+elif [ -d .jitcache-server ]; then
+  cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
+fi
 
 # built here if missing (an ignored folder: it stays on a warm machine between calls)
 export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.tiny_models}
