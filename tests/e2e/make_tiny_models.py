@@ -148,7 +148,9 @@ def dsv3_config():
         vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=4,
         n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.0,
-        kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        # kv_lora 48 + rope 8: SGLang's Triton MLA decode kernel on CUDA takes v from the transposed key and
+        # needs next_pow2(kv_lora + rope) == next_pow2(kv_lora) (32 + 8 does not compile on sm_90)
+        kv_lora_rank=48, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
         n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
         max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
         # SGLang's CPU rope for DeepSeek supports only deepseek_yarn (as the real V3 checkpoints use);
