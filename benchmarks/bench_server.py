@@ -10,6 +10,9 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
 * ``dflash``: ``--speculative-algorithm DFLASH`` (one chain of the drafter's block per round);
 * ``kdtree``: ``--speculative-algorithm kdtree`` with ``--speculative-num-draft-tokens budget+1``, no round
   log (its tokens/s);
+* ``kdtree-nomla``: KDTREE with ``SGLANG_KDTREE_MLA=off`` (SGLang's MLA verify attention instead of the fused
+  kernel); it and ``kdtree-log`` dump their first rounds' verify logits (``KDTREE_DUMP_VERIFY``), compared
+  after the run (``compare_dumps``);
 * ``kdtree-log``: the same with ``KDTREE_ROUND_LOG`` (CUDA events per phase and one extra host read per
   round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
   verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
@@ -71,6 +74,10 @@ def start(variant, kinds, budget: int, out: Path) -> dict:
             round_log = out / "rounds-kdtree.jsonl"
             round_log.unlink(missing_ok=True)
             env["KDTREE_ROUND_LOG"] = str(round_log)
+            env["KDTREE_DUMP_VERIFY"] = str(out / "dump-fused")
+        elif kind == "kdtree-nomla":  # SGLang's MLA verify path: A/B of the verify logits and of tokens/s
+            env["SGLANG_KDTREE_MLA"] = "off"
+            env["KDTREE_DUMP_VERIFY"] = str(out / "dump-sglang")
         server = cuda_servers.CudaServer(kind, _args_for(kind, variant, cuda_servers.free_port(), budget),
                                          out / f"{kind}.log", env)
         server.round_log = round_log
@@ -137,6 +144,31 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
     return table
 
 
+def compare_dumps(out: Path) -> list[dict]:
+    """The fused MLA kernel's verify logits (``kdtree-log``) against SGLang's MLA path (``kdtree-nomla``) for
+    the first rounds both servers dumped on the same batch (the first warm-up batch, greedy): per round, the
+    largest |difference| relative to the largest |logit|, and whether every row's argmax agrees. Rounds whose
+    verify inputs differ (a diverged tree) are reported, not compared."""
+    import torch
+
+    rows = []
+    for n in range(8):
+        a, b = out / f"dump-fused.{n}.pt", out / f"dump-sglang.{n}.pt"
+        if not (a.exists() and b.exists()):
+            break
+        x, y = torch.load(a), torch.load(b)
+        same_inputs = torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["positions"], y["positions"])
+        row = {"round": n, "same_inputs": same_inputs, "graph": (x["graph"], y["graph"])}
+        if same_inputs:
+            lx, ly = x["logits"].double(), y["logits"].double()
+            row["max_abs"] = float((lx - ly).abs().max())
+            row["rel_to_max_logit"] = row["max_abs"] / float(ly.abs().max())
+            row["argmax_agree"] = bool(torch.equal(lx.argmax(-1), ly.argmax(-1)))
+            row["rows"] = int(lx.shape[0] * lx.shape[1])
+        rows.append(row)
+    return rows
+
+
 def format_table(table: dict, depths: int, vocab: int) -> str:
     lines = ["| bs | server | tok/s per request | tok/s total | accept len | draft ms | tree ms | verify ms | "
              "accept+commit ms | bookkeeping ms | bookkeeping floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -158,8 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=64, help="KDTREE node budget (default 64)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per size and server (default 3)")
-    ap.add_argument("--kinds", nargs="+", default=["plain", "dflash", "kdtree", "kdtree-log"],
-                    help="servers to run (default plain dflash kdtree kdtree-log)")
+    ap.add_argument("--kinds", nargs="+", default=["plain", "dflash", "kdtree", "kdtree-log", "kdtree-nomla"],
+                    help="servers to run (default plain dflash kdtree kdtree-log kdtree-nomla; kdtree-nomla = "
+                         "SGLANG_KDTREE_MLA=off, for the A/B of tokens/s and verify logits)")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]

@@ -82,6 +82,16 @@ mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table
 TEST_CAP=$(( $(left) - 25 ))
 export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ -n "${BENCH:-}" ]; then
+  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target, beside the tests: on the second GPU when
+  # there is one (the tests' servers stay on the first), else on the same GPU (timings then share it)
+  BENCH_GPU=0; [ "$NGPU" -ge 2 ] && BENCH_GPU=1
+  ( CUDA_VISIBLE_DEVICES=$BENCH_GPU step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
+      --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" ) &
+  BENCH_PID=$!
+fi
+[ "$NGPU" -ge 2 ] && export CUDA_VISIBLE_DEVICES=0
 if [ -n "${PROBE:-}" ]; then
   # shellcheck disable=SC2086
   step probe "$TEST_CAP" python3 tests/e2e/cuda_servers.py $PROBE --out "$KDTREE_SERVER_LOGS"
@@ -90,6 +100,9 @@ else
   step tests "$TEST_CAP" python3 -m pytest -q -p no:cacheprovider -rfEs -m "gpu and slow" \
     ${TESTS:-tests/gpu/test_server_cuda.py}
 fi
+
+[ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
+unset CUDA_VISIBLE_DEVICES
 
 # bring SGLang's JIT modules back (carry them as .jitcache-server next time) when they are small enough
 tar -czf /tmp/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR" . 2>/dev/null
@@ -106,6 +119,7 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
   e=$(grep -m1 -E "Error|error:|Traceback|NotImplementedError" "$f" | cut -c1-160)
   [ -n "$e" ] && echo "$(basename "$f"): $e"
 done
+[ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed" "$LOGS/bench.log" | head -40; }
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
 [ -f "$LOGS/probe.log" ] && [ ! -f "$KDTREE_SERVER_LOGS/table.txt" ] && tail -30 "$LOGS/probe.log"
