@@ -55,3 +55,23 @@ def test_floor_and_table():
                                                "bookkeeping": 0.15}}}}
     text = bench.format_table(table, 15, 163840)
     assert "| 1 | plain | 100.0 |" in text and "| 1 | kdtree-log | 300.0 | 300.0 | 4.50 | 1.000 | 0.100 |" in text
+
+
+def test_compare_dumps_measures_same_input_rounds_and_skips_diverged_ones(tmp_path):
+    import torch
+
+    bench = _load()
+    ids = torch.arange(6)
+    logits = torch.randn(1, 6, 32)
+    torch.save({"input_ids": ids, "positions": ids, "logits": logits, "graph": True}, tmp_path / "dump-fused.0.pt")
+    shifted = logits.clone()
+    shifted[0, 2, 5] += 0.25
+    torch.save({"input_ids": ids, "positions": ids, "logits": shifted, "graph": True}, tmp_path / "dump-sglang.0.pt")
+    torch.save({"input_ids": ids, "positions": ids, "logits": logits, "graph": True}, tmp_path / "dump-fused.1.pt")
+    torch.save({"input_ids": ids + 1, "positions": ids, "logits": logits, "graph": True},
+               tmp_path / "dump-sglang.1.pt")
+    rows = bench.compare_dumps(tmp_path)
+    assert len(rows) == 2
+    assert rows[0]["same_inputs"] and abs(rows[0]["max_abs"] - 0.25) < 1e-6 and rows[0]["rows"] == 6
+    assert abs(rows[0]["rel_to_max_logit"] - 0.25 / float(shifted.abs().max())) < 1e-9
+    assert rows[1] == {"round": 1, "same_inputs": False, "graph": (True, True)}
