@@ -47,7 +47,8 @@ def staged(built):
 def quant_config(built):
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-    return CompressedTensorsConfig.from_config(json.loads((built.target / "config.json").read_text())["quantization_config"])
+    config = json.loads((built.target / "config.json").read_text())
+    return CompressedTensorsConfig.from_config(config["quantization_config"])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -255,7 +256,8 @@ def test_sglang_plain_marlin_moe_serves_the_checkpoint(built, tensors, staged, t
             e = int(topk_ids[t, k])
             gate = xf[t] @ staged[f"{prefix}{e}.gate_proj.weight"].T
             up = xf[t] @ staged[f"{prefix}{e}.up_proj.weight"].T
-            want[t] += topk_weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ staged[f"{prefix}{e}.down_proj.weight"].T)
+            down = staged[f"{prefix}{e}.down_proj.weight"]
+            want[t] += topk_weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ down.T)
     want *= kimi.ROUTED_SCALING_FACTOR
     error = float((got - want).norm() / want.norm())
     assert error < 2e-2, f"relative error {error:.4f} at {tokens} tokens"

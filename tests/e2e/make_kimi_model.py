@@ -229,13 +229,21 @@ def drafter_filler_margin(target, weights: dict, succ_a, succ_b, gen) -> dict:
 def train(stage: Path, target_steps: int = 300, drafter_steps: int = 400, device: str | None = None,
           log=print) -> dict:
     """Fit the target (vocab 128), fake-quantize its routed experts, fit the drafter; stage both (fp32)."""
+    device = pick_device(device)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if device.type == "cuda":  # reproducible GPU builds; the caller's setting is restored afterwards
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    try:
+        return _train(stage, target_steps, drafter_steps, device, log)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(stage: Path, target_steps: int, drafter_steps: int, device: torch.device, log) -> dict:
     from safetensors.torch import save_file
     from transformers import DeepseekV3ForCausalLM
 
-    device = pick_device(device)
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
     torch.set_num_threads(max(1, min(16, os.cpu_count() or 1)))
     t0 = time.time()
     gen, succ_a, succ_b, _ = language_setup()
