@@ -522,20 +522,20 @@ def check_drafter(report: Report, draft_path: str, block_size: int | None, targe
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", default=None,
+    p.add_argument("--model-path", default=None, metavar="PATH",
                    help="also check this target checkpoint (path exists, architecture supported) (default: none)")
-    p.add_argument("--speculative-draft-model-path", default=None,
+    p.add_argument("--speculative-draft-model-path", default=None, metavar="PATH",
                    help="also check this DFlash drafter (path exists, block size supported) (default: none)")
-    p.add_argument("--speculative-dflash-block-size", type=int, default=None,
+    p.add_argument("--speculative-dflash-block-size", type=int, default=None, metavar="N",
                    help="the block size the server will be given, if any (default: the drafter's config)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let SGLang run the target's own config code, as the server flag does (default: off)")
     p.add_argument("--require-gpu", action="store_true",
                    help="fail, instead of warning, when no GPU is visible (use on the serving machine) "
                         "(default: off)")
-    p.add_argument("--arch", default=DEFAULT_ARCH,
+    p.add_argument("--arch", default=DEFAULT_ARCH, metavar="SM",
                    help="compute capability for the kernel compile check when there is no GPU (default: %(default)s)")
-    p.add_argument("--verbose", action="store_true", help="show SGLang's plugin log and full tracebacks")
+    p.add_argument("--verbose", action="store_true", help="show SGLang's plugin log and full tracebacks (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -573,7 +573,7 @@ def _finish(report: Report) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_kdtree doctor", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m sglang_kdtree doctor", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))
