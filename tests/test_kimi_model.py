@@ -222,6 +222,78 @@ def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
         torch.testing.assert_close(w2[e], staged[f"{prefix}experts.{e}.down_proj.weight"].T, rtol=0, atol=0)
 
 
+_SGLANG_MODEL_LOAD = """
+import json, socket, sys, torch
+from safetensors.torch import load_file
+from sglang.test.layer_ut_utils import init_single_process_dist
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import _get_quantization_config
+from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+path = sys.argv[1]
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+args = ServerArgs(model_path=path, device="cpu", dtype="bfloat16", tp_size=1)
+set_global_server_args_for_scheduler(args)
+init_single_process_dist(master_port=port)
+config = ModelConfig.from_server_args(args)
+quant = _get_quantization_config(config, LoadConfig())
+model = DeepseekV3ForCausalLM(config.hf_config, quant_config=quant)
+SENTINEL = -1234567
+with torch.no_grad():
+    for p in model.parameters():
+        p.fill_(float("nan") if p.is_floating_point() else SENTINEL)
+tensors = load_file(path + "/model.safetensors")
+model.load_weights(iter(tensors.items()))
+unfilled = sorted(n for n, p in model.named_parameters()
+                  if bool((torch.isnan(p) if p.is_floating_point() else p == SENTINEL).any()))
+params = dict(model.named_parameters())
+same = {
+    "lm_head": torch.equal(params["lm_head.weight"], tensors["lm_head.weight"]),
+    "embed": torch.equal(params["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"]),
+    "o_proj": torch.equal(params["model.layers.2.self_attn.o_proj.weight"],
+                          tensors["model.layers.2.self_attn.o_proj.weight"]),
+    "fused_qkv_a": torch.equal(params["model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight"],
+                               torch.cat([tensors["model.layers.1.self_attn.q_a_proj.weight"],
+                                          tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]])),
+    "bias": torch.equal(params["model.layers.1.mlp.gate.e_score_correction_bias"].float(),
+                        tensors["model.layers.1.mlp.gate.e_score_correction_bias"]),
+}
+print("RESULT " + json.dumps({"quant": type(quant).__name__, "unfilled": unfilled, "same": same,
+                              "moe_scheme": type(model.model.layers[1].mlp.experts.scheme).__name__,
+                              "num_params": len(params)}))
+"""
+
+
+def test_sglang_deepseek_model_loads_every_parameter(built, tmp_path):
+    """SGLang's own DeepseekV3ForCausalLM (CPU engine, in a subprocess: it needs a process group, the CPU
+    ``sgl_kernel`` stand-in and ``SGLANG_USE_CPU_ENGINE`` set before import) built with the checkpoint's
+    compressed-tensors config takes every parameter from the checkpoint through ``load_weights``; the
+    only ones left are the act-order ``g_idx`` tensors, which ``process_weights_after_loading`` replaces by
+    empty ones for a checkpoint without act order (that step needs CUDA)."""
+    import os
+    import subprocess
+
+    script = tmp_path / "load.py"
+    script.write_text(_SGLANG_MODEL_LOAD)
+    stub = Path(__file__).resolve().parent / "e2e" / "sgl_kernel_stub"
+    path = [str(stub)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.run([sys.executable, str(script), str(built.target)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["quant"] == "CompressedTensorsConfig"
+    assert result["moe_scheme"] == "CompressedTensorsWNA16MoE"
+    assert result["same"] == {k: True for k in result["same"]}
+    expected_unfilled = sorted(f"model.layers.{i}.mlp.experts.{n}" for i in MOE_LAYERS for n in
+                               ("w13_weight_g_idx", "w2_weight_g_idx", "w13_g_idx_sort_indices",
+                                "w2_g_idx_sort_indices"))
+    assert result["unfilled"] == expected_unfilled
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_sglang_plain_marlin_moe_serves_the_checkpoint(built, tensors, staged, tokens):
