@@ -421,3 +421,27 @@ def test_marlin_ops_scalar_types_match_sgl_kernel():
     with pytest.raises(AttributeError, match="float6_e3m2f"):
         ops.scalar_type.scalar_types.float6_e3m2f
     assert ops.__all__ == []
+
+
+def test_prebuild_jit_seed_resolves_the_kdtree_builder_without_recursing(monkeypatch, tmp_path):
+    """``prebuild_jit.seed`` points ``marlin_moe.seed_prebuilt`` at its own builder list; asking for the kdtree
+    specialization (whose builder comes from ``marlin_moe._marlin_module_builders`` itself) must resolve once,
+    not recurse (it did, on the H200, 2026-11-30), and the original must be restored."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+    import prebuild_jit
+
+    from sglang_kdtree import marlin_moe
+
+    original = marlin_moe._marlin_module_builders
+    seen = {}
+
+    def fake_seed(source):
+        seen["builders"] = marlin_moe._marlin_module_builders()
+        return []
+
+    monkeypatch.setattr(marlin_moe, "seed_prebuilt", fake_seed)
+    assert prebuild_jit.seed(tmp_path, {"kdtree"}) == []
+    assert len(seen["builders"]) == 2 and all(callable(b) for b in seen["builders"])  # repack + ours
+    assert marlin_moe._marlin_module_builders is original

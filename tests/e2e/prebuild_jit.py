@@ -101,7 +101,9 @@ def seed(source: Path, which: set[str]) -> list[str]:
     from sglang_kdtree import marlin_moe
 
     original = marlin_moe._marlin_module_builders
-    marlin_moe._marlin_module_builders = lambda dtype_name="bfloat16": [b for _, b in builders(which, dtype_name)]
+    # resolve the list before patching: builders("kdtree") itself calls marlin_moe._marlin_module_builders
+    chosen = [b for _, b in builders(which)]
+    marlin_moe._marlin_module_builders = lambda dtype_name="bfloat16": chosen
     try:
         return marlin_moe.seed_prebuilt(source)
     finally:
