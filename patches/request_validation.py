@@ -4,10 +4,18 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 ``sglang.srt.speculative.dflash_utils.validate_dflash_request`` (the scheduler's admission check for every
 DFLASH-family algorithm; a returned message aborts just that request with it).
 
-Why: the tree round has no logprob output and no grammar-constrained walk yet. Without this check such a
-request would reach the worker, whose ``ValueError`` would stop the scheduler for every request. Under
-KDTREE a request asking for ``return_logprob`` or a grammar (``json_schema`` / ``regex`` / ``ebnf`` /
-``structural_tag``) is aborted at admission with a message naming the field; others go to SGLang's check.
+Why: the tree round has no logprob output, no grammar-constrained walk and, at T > 0, samples from
+``softmax(logits / T)`` only. Without this check such a request would reach the worker, whose ``ValueError``
+would stop the scheduler for every request, or be served a different distribution than it asked for. Under
+KDTREE a request is aborted at admission with a message naming the field when it asks for
+
+* ``return_logprob`` or a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
+* at T > 0, a sampling filter or penalty the tree accept does not apply: ``top_p < 1``, ``top_k`` other than
+  off, ``min_p > 0``, ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty``
+  other than 1 (greedy requests are unaffected: a filter cannot change the argmax);
+* an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
+
+Other requests go to SGLang's check.
 """
 
 from __future__ import annotations
@@ -18,7 +26,29 @@ TARGETS = (TARGET, "sglang.srt.managers.scheduler.validate_dflash_request")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-def kdtree_request_error(req) -> str | None:
+#: SGLang's "no top-k" value (``sampling_params.TOP_K_ALL``) and its greedy encoding (``top_k == 1``)
+_TOP_K_OFF = (1 << 30, -1)
+#: (field, value that means "off") of the filters and penalties the tree accept does not apply at T > 0
+_UNSERVED_AT_T = (("top_p", 1.0), ("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                  ("repetition_penalty", 1.0))
+
+
+def _sampling_error(params) -> str | None:
+    top_k = getattr(params, "top_k", -1)
+    if top_k == 1:  # SGLang's encoding of greedy (temperature 0): filters cannot change the argmax
+        return None
+    if top_k not in _TOP_K_OFF and top_k is not None:
+        return ("KDTREE speculative decoding samples from the temperature-scaled target only; top_k is not "
+                f"applied yet: drop top_k (got {top_k}) or use temperature 0")
+    for field, off in _UNSERVED_AT_T:
+        value = getattr(params, field, off)
+        if value is not None and float(value) != off:
+            return (f"KDTREE speculative decoding samples from the temperature-scaled target only; {field} is not "
+                    f"applied yet: drop {field} (got {value}) or use temperature 0")
+    return None
+
+
+def kdtree_request_error(req, vocab_size: int | None = None) -> str | None:
     """The reason KDTREE cannot serve ``req``, or None."""
     if getattr(req, "return_logprob", False):
         return "KDTREE speculative decoding does not return logprobs yet; drop return_logprob"
@@ -26,6 +56,15 @@ def kdtree_request_error(req) -> str | None:
     for field in GRAMMAR_FIELDS:
         if getattr(params, field, None):
             return f"KDTREE speculative decoding does not support grammar-constrained decoding yet; drop {field}"
+    error = _sampling_error(params)
+    if error is not None:
+        return error
+    ids = getattr(req, "origin_input_ids", None)
+    if vocab_size is not None and ids is not None and len(ids):
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            return f"input token id {bad} is outside the model's vocabulary [0, {vocab_size}); fix the prompt's ids"
     return None
 
 
@@ -33,7 +72,7 @@ def validate_dflash_request(original, req, *args, **kwargs):
     from sglang_kdtree import worker
 
     if worker.ACTIVE_BLOCK_SIZE is not None:  # this process runs a KDTreeWorker
-        error = kdtree_request_error(req)
+        error = kdtree_request_error(req, worker.ACTIVE_VOCAB_SIZE)
         if error is not None:
             return error
     return original(req, *args, **kwargs)

@@ -64,6 +64,8 @@ DUMP_COLUMNS = 2048
 
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
 ACTIVE_BLOCK_SIZE: int | None = None
+#: The target's vocabulary size, published by the worker for admission checks (``patches/request_validation``).
+ACTIVE_VOCAB_SIZE: int | None = None
 
 #: Largest batch the startup rehearsal sizes the round's buffers for (SGLang's default largest CUDA-graph
 #: batch); a larger batch grows them on first sight.
@@ -103,7 +105,7 @@ class KDTreeWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         from sglang.srt.runtime_context import get_spec
 
-        global ACTIVE_BLOCK_SIZE
+        global ACTIVE_BLOCK_SIZE, ACTIVE_VOCAB_SIZE
         self.verify_width = int(get_spec().speculative_num_draft_tokens)
         self.budget = self.verify_width - 1
         block_size = _read_draft_block_size(server_args)
@@ -120,6 +122,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
         self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
+        ACTIVE_VOCAB_SIZE = self.vocab_size
         # Opt-in per-round record (one JSON line per round) for tests and offline analysis; costs a host
         # sync per round, so it is off unless the variable names a file.
         self._round_log = os.environ.get(ROUND_LOG_ENV) or None

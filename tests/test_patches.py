@@ -225,3 +225,47 @@ def test_request_validation_refuses_logprobs_and_grammar_only_under_kdtree(monke
     assert patch.validate_dflash_request(original, plain, False) == "original"
     assert "return_logprob" in patch.validate_dflash_request(original, logprob, False)
     assert "json_schema" in patch.validate_dflash_request(original, grammar, False)
+
+
+def _sampled_req(ids=(1, 2, 3), **overrides):
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=overrides.pop("temperature", 0.8), **overrides)
+    params.normalize(None)  # SGLang's own normalisation: temperature 0 becomes top_k 1, top_k -1 becomes "all"
+    return _Obj(return_logprob=False, sampling_params=params, origin_input_ids=list(ids))
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 0.95), ("top_k", 40), ("min_p", 0.05),
+                                          ("frequency_penalty", 0.5), ("presence_penalty", -0.3),
+                                          ("repetition_penalty", 1.1)])
+def test_kdtree_refuses_sampling_filters_it_would_otherwise_ignore(monkeypatch, field, value):
+    from sglang_kdtree import worker
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    error = patch.validate_dflash_request(original, _sampled_req(**{field: value}), False)
+    assert error != "original" and field in error and str(value) in error
+    # greedy: the same field cannot change the argmax, so the request is served
+    assert patch.validate_dflash_request(original, _sampled_req(temperature=0, **{field: value}), False) == "original"
+    # temperature alone is served
+    assert patch.validate_dflash_request(original, _sampled_req(), False) == "original"
+    # and nothing is refused when this process is not a KDTREE server
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
+    assert patch.validate_dflash_request(original, _sampled_req(**{field: value}), False) == "original"
+
+
+@pytest.mark.parametrize("ids, bad", [([0, 99], None), ([5, 100], 100), ([-1, 3], -1), ([], None)])
+def test_kdtree_refuses_token_ids_outside_the_vocabulary(monkeypatch, ids, bad):
+    from sglang_kdtree import worker
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    result = patch.validate_dflash_request(original, _sampled_req(ids, temperature=0), False)
+    if bad is None:
+        assert result == "original"
+    else:
+        assert f"input token id {bad} is outside the model's vocabulary [0, 100)" in result
