@@ -64,6 +64,8 @@ class TorchAccept:
     accept_lens: torch.Tensor
     bonus: torch.Tensor
     committed: torch.Tensor
+    #: ``[bs]`` int64 per-request fault bits (``gpu.errors.DEVICE_ERRORS``; 0 when valid), as on the GPU
+    errors: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,6 +104,18 @@ def _sampling_inputs(temperatures, seeds, seq_lens):
             _np(seq_lens).reshape(-1).astype(np.int64))
 
 
+#: fault bits, shared with the kernels: draft log-probs (``gpu.topk.TOPK_ERRORS``) and target logits
+#: (``gpu.errors.DEVICE_ERRORS``)
+_DRAFT_NAN, _DRAFT_POSINF, _TARGET_NAN = 8, 16, 8
+
+
+def _faulty_requests(x: np.ndarray) -> np.ndarray:
+    """Per request (leading axis) the draft fault bits of ``x``: 8 for a NaN, 16 for a +inf anywhere."""
+    flat = x.reshape(x.shape[0], -1)
+    return np.where(np.isnan(flat).any(axis=1), _DRAFT_NAN, 0) | np.where(np.isposinf(flat).any(axis=1),
+                                                                          _DRAFT_POSINF, 0)
+
+
 def _tree_batch(trees) -> reference.TreeBatch:
     return reference.TreeBatch(tokens=_np(trees.tokens), depths=_np(trees.depths), parents=_np(trees.parents),
                                num_nodes=_np(trees.num_nodes))
@@ -114,12 +128,26 @@ class ReferenceBackend:
 
     def __init__(self, device):
         self.device = torch.device(device)
+        # the GPU backend's flags, so the worker reads one contract: a request whose inputs are faulty is
+        # computed on neutral stand-in values, marked, and ended by the worker; the batch goes on
+        self.tree_errors = torch.zeros(1, dtype=torch.int32)
+        self.commit_errors = torch.zeros(1, dtype=torch.int32)
 
     def _t(self, a, dtype=None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype=dtype)
 
     def topk(self, logits, k):
-        lp, ids = reference.topk_logprobs(_np(logits.float()), k)
+        """As ``reference.topk_logprobs``; a request whose draft logits hold NaN / +inf gets NaN log-probs (its
+        fault mark, see ``build``) and sets its bits in ``tree_errors`` instead of raising."""
+        x = _np(logits.float())
+        bad = _faulty_requests(x) if x.ndim > 1 else np.zeros(0, dtype=np.int64)
+        if bad.any():
+            x = x.copy()
+            x[bad != 0] = 0.0
+            self.tree_errors |= int(np.bitwise_or.reduce(bad))
+        lp, ids = reference.topk_logprobs(x, k)
+        if bad.any():
+            lp[bad != 0] = np.nan
         return self._t(lp), self._t(ids)
 
     def shard_topk(self, logits_shard, k, id_offset):
@@ -131,7 +159,12 @@ class ReferenceBackend:
         return self._t(lp), self._t(out_ids)
 
     def build(self, logprobs, ids, budget, roots) -> TorchTrees:
-        tb = reference.build_trees(_np(logprobs), _np(ids), int(budget), _np(roots).astype(np.int64))
+        lp = _np(logprobs)
+        marked = np.isnan(lp.reshape(lp.shape[0], -1)).any(axis=1) if lp.ndim > 1 else np.zeros(0, dtype=bool)
+        if marked.any():  # requests marked by topk: a tree from flat log-probs keeps the batch's shapes
+            lp = lp.copy()
+            lp[marked] = 0.0
+        tb = reference.build_trees(lp, _np(ids), int(budget), _np(roots).astype(np.int64))
         return TorchTrees(self._t(tb.tokens), self._t(tb.depths), self._t(tb.parents), self._t(tb.num_nodes))
 
     def verify_inputs(self, trees, seq_lens, seq_lens_sum=None) -> TorchVerifyInputs:
@@ -143,12 +176,23 @@ class ReferenceBackend:
             retrieve_next_sibling=self._t(vi.retrieve_next_sibling),
         )
 
-    def _accept(self, res: reference.AcceptResult) -> TorchAccept:
+    @staticmethod
+    def _screen_target(logits) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of the target logits with NaN requests neutralised, and the per-request fault bits."""
+        x = _np(logits.float())
+        bad = np.where(np.isnan(x.reshape(x.shape[0], -1)).any(axis=1), _TARGET_NAN, 0).astype(np.int64)
+        if bad.any():
+            x = x.copy()
+            x[bad != 0] = 0.0
+        return x, bad
+
+    def _accept(self, res: reference.AcceptResult, errors: np.ndarray) -> TorchAccept:
         return TorchAccept(self._t(res.accepted), self._t(res.accept_lens), self._t(res.bonus),
-                           self._t(res.committed))
+                           self._t(res.committed), self._t(errors))
 
     def accept_greedy(self, trees, logits, max_depth) -> TorchAccept:
-        return self._accept(reference.accept_greedy(_tree_batch(trees), _np(logits.float()), max_depth))
+        x, bad = self._screen_target(logits)
+        return self._accept(reference.accept_greedy(_tree_batch(trees), x, max_depth), bad)
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth) -> TorchAccept:
         """T > 0 walk: every node's token is drawn from ``softmax(logits / T)`` (``reference.sample_node_tokens``)
@@ -161,7 +205,7 @@ class ReferenceBackend:
         reproducible; each emitted token is still an exact sample of the target's conditional.
         """
         tb = _tree_batch(trees)
-        logits_np = _np(logits.float())
+        logits_np, bad = self._screen_target(logits)
         temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
         parts = []
         for b in range(tb.tokens.shape[0]):
@@ -174,7 +218,7 @@ class ReferenceBackend:
             node_tokens = reference.sample_node_tokens(logits_np[b : b + 1], float(temps[b]), _Uniforms(uniforms))
             parts.append(reference.accept_greedy(one, node_tokens, max_depth))
         return TorchAccept(*(self._t(np.concatenate([getattr(p, f) for p in parts]))
-                             for f in ("accepted", "accept_lens", "bonus", "committed")))
+                             for f in ("accepted", "accept_lens", "bonus", "committed")), errors=self._t(bad))
 
     def sample_tokens(self, logits, temperatures, seeds, seq_lens) -> torch.Tensor:
         """One token per row from ``softmax(logits / T)`` with the uniform of the position it generates,

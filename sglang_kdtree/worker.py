@@ -62,6 +62,11 @@ DUMP_ENV = "KDTREE_DUMP_VERIFY"
 DUMP_ROUNDS = 4
 DUMP_COLUMNS = 2048
 
+#: Test-only fault injection: a path; while that file exists it holds ``{"<rid prefix>": "draft_nan" |
+#: "target_nan"}`` and the round writes a NaN into the draft (or target verify) logits of every request whose
+#: rid starts with a prefix, so the end-to-end tests can force a fault in one request of a live batch.
+TEST_FAULTS_ENV = "KDTREE_TEST_FAULTS"
+
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
 ACTIVE_BLOCK_SIZE: int | None = None
 #: The target's vocabulary size, published by the worker for admission checks (``patches/request_validation``).
@@ -127,6 +132,7 @@ class KDTreeWorker(DFlashWorkerV2):
         # sync per round, so it is off unless the variable names a file.
         self._round_log = os.environ.get(ROUND_LOG_ENV) or None
         self._dump_prefix = os.environ.get(DUMP_ENV) or None
+        self._test_faults_path = os.environ.get(TEST_FAULTS_ENV) or None
         self._dumped = 0
         logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend",
                     self.budget, self.verify_width, block_size, self.backend.name)
@@ -299,7 +305,7 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE: the DFlash draft model returned no hidden states")
         return hidden.view(bs, block, -1)
 
-    def _draft_topk(self, draft_hidden):
+    def _draft_topk(self, draft_hidden, faults=None):
         """Per-depth top-K log-probs of the target head on draft rows 1..L; vocab-parallel under TP."""
         from sglang.srt.lora.layers import unwrap_lora_layer
         from sglang.srt.runtime_context import get_parallel
@@ -309,6 +315,8 @@ class KDTreeWorker(DFlashWorkerV2):
         rows = draft_hidden[:, 1:, :].reshape(-1, hidden_size).to(lm_head.weight.dtype)
         # the head's own dtype (bf16 in serving): both backends read it as it is, no fp32 copy
         local = torch.nn.functional.linear(rows, lm_head.weight)
+        for b in (faults or {}).get("draft_nan", ()):  # test-only fault injection (KDTREE_TEST_FAULTS)
+            local[b * self.depths, 0] = float("nan")
         shard = getattr(lm_head, "shard_indices", None)
         tp = get_parallel().tp_size
         k = min(self.budget, self.vocab_size)
@@ -322,7 +330,7 @@ class KDTreeWorker(DFlashWorkerV2):
             local[:, real:] = float("-inf")
             logprobs, ids = vocab_parallel_topk(local, k, start, self.backend,
                                                 group=get_parallel().tp_group.device_group)
-        return logprobs.view(bs, self.depths, -1), ids.view(bs, self.depths, -1)
+        return logprobs.view(bs, self.depths, -1), ids.view(bs, self.depths, -1), local
 
     def _log_round(self, acc, verify, trees, marks, graph: bool) -> None:
         """Append this round's record to ``$KDTREE_ROUND_LOG`` (one JSON line):
@@ -357,17 +365,31 @@ class KDTreeWorker(DFlashWorkerV2):
         with open(self._round_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _round_faults(self, batch, acc, plan, draft_logprobs) -> None:
+    def _test_faults(self, batch) -> dict:
+        """``{"draft_nan": [b...], "target_nan": [b...]}`` for this batch from the ``KDTREE_TEST_FAULTS`` file."""
+        try:
+            with open(self._test_faults_path) as f:
+                wanted = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        out: dict = {}
+        for b, req in enumerate(batch.reqs):
+            for prefix, fault in wanted.items():
+                if str(req.rid).startswith(prefix):
+                    out.setdefault(fault, []).append(b)
+        return out
+
+    def _round_faults(self, batch, acc, plan, draft_logits) -> None:
         """Read every device error flag of the round once (the round's one host read at its end; the scheduler
         reads the results right after) and end each flagged request with ``FINISH_ABORT`` naming the fault,
         so the rest of the batch goes on. Flags the kernels keep per batch, not per request (draft
-        log-probs / tree, KV commit), are traced back to the requests whose draft log-probs are NaN / +inf or
+        log-probs / tree, KV commit), are traced back to the requests whose draft logits hold NaN / +inf or
         whose commit plan is invalid; failing that, the whole batch is ended."""
         per_request = getattr(acc, "errors", None)
         tree_flag = getattr(self.backend, "tree_errors", None)
         commit_flag = getattr(self.backend, "commit_errors", None)
         if per_request is None or tree_flag is None or commit_flag is None:
-            return  # the reference raises at the faulty step instead
+            return  # a backend without fault flags raises at the faulty step instead
         words = torch.cat([tree_flag.to(torch.int64), commit_flag.to(torch.int64), per_request.to(torch.int64)])
         host = words.tolist()
         tree_bits, commit_bits, req_bits = host[0], host[1], host[2:]
@@ -380,7 +402,7 @@ class KDTreeWorker(DFlashWorkerV2):
         faults = {b: describe_device_error(bits) for b, bits in enumerate(req_bits) if bits}
         if tree_bits:
             what = [m for bit, m in TOPK_ERRORS.items() if tree_bits & bit]
-            rows = draft_logprobs.reshape(bs, -1)
+            rows = draft_logits.reshape(bs, -1)
             bad = (torch.isnan(rows) | torch.isposinf(rows)).any(dim=1).tolist()
             for b in [b for b in range(bs) if bad[b]] or range(bs):
                 faults.setdefault(b, []).extend(f"draft: {m}" for m in what)
@@ -418,7 +440,8 @@ class KDTreeWorker(DFlashWorkerV2):
         # 1-3: draft block -> per-depth top-K -> tree
         draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
         marks.mark("draft")
-        logprobs, ids = self._draft_topk(draft_hidden)
+        faults = self._test_faults(batch) if self._test_faults_path is not None else None
+        logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
         trees = self.backend.build(logprobs, ids, self.budget, draft_input.bonus_tokens.to(torch.int64))
 
         # 4: verify input into the N reserved slots after the committed prefix
@@ -450,6 +473,8 @@ class KDTreeWorker(DFlashWorkerV2):
                                                                  is_verify=True, skip_attn_backend_init=True)
         logits_output = target_out.logits_output
         logits = logits_output.next_token_logits[:, : self.vocab_size].reshape(bs, width, -1)
+        for b in (faults or {}).get("target_nan", ()):  # test-only fault injection (KDTREE_TEST_FAULTS)
+            logits[b, 0, 0] = float("nan")
         marks.mark("verify")
         if self._dump_prefix is not None and self._dumped < DUMP_ROUNDS:
             torch.save({"input_ids": verify.input_ids.cpu(), "positions": verify.positions.cpu(),
@@ -494,7 +519,7 @@ class KDTreeWorker(DFlashWorkerV2):
         committed = acc.committed[:, : min(width, acc.committed.shape[1])]
         out_tokens[:, : committed.shape[1]] = committed.clamp_min(0)
         marks.mark("accept_commit")
-        self._round_faults(batch, acc, commit, logprobs)
+        self._round_faults(batch, acc, commit, draft_logits)
         if self._round_log is not None:
             self._log_round(acc, verify, trees, marks, target_out.can_run_cuda_graph)
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)

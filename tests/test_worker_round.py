@@ -71,12 +71,58 @@ def test_untraceable_flag_ends_the_whole_batch_rather_than_serving_wrong_tokens(
     assert all(r.to_finish is not None for r in batch.reqs)
 
 
-def test_reference_backend_reads_no_flags():
-    worker = types.SimpleNamespace(backend=pipeline.ReferenceBackend("cpu"))
+def test_backend_without_flags_is_left_to_raise():
+    worker = types.SimpleNamespace(backend=types.SimpleNamespace())
     batch = _batch(1)
-    acc = types.SimpleNamespace(accepted=None)  # the reference's result carries no error words
-    KDTreeWorker._round_faults(worker, batch, acc, None, None)
+    KDTreeWorker._round_faults(worker, batch, types.SimpleNamespace(accepted=None), None, None)
     assert batch.reqs[0].to_finish is None
+
+
+def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_identical():
+    """NaN / +inf draft logits or NaN target logits in one request: the reference no longer raises (which
+    would stop the scheduler for every request); that request is marked, the others' results are exactly
+    those of a clean batch, and the worker then ends only the marked one."""
+    gen = torch.Generator().manual_seed(4)
+    bs, depth, vocab, budget = 3, 4, 50, 6
+    draft = torch.randn((bs, depth, vocab), generator=gen)
+    clean = pipeline.ReferenceBackend("cpu")
+    lp_c, ids_c = clean.topk(draft, budget)
+    roots = torch.tensor([1, 2, 3])
+    trees_c = clean.build(lp_c, ids_c, budget, roots)
+    target = torch.randn((bs, budget + 1, vocab), generator=gen)
+    acc_c = clean.accept_greedy(trees_c, target, depth)
+    assert int(clean.tree_errors) == 0 and acc_c.errors.tolist() == [0, 0, 0]
+
+    backend = pipeline.ReferenceBackend("cpu")
+    bad_draft = draft.clone()
+    bad_draft[1, 2, 7] = float("nan")
+    bad_draft[2, 0, 3] = float("inf")
+    lp, ids = backend.topk(bad_draft, budget)
+    assert int(backend.tree_errors) == 8 | 16
+    assert torch.equal(lp[0], lp_c[0]) and torch.equal(ids[0], ids_c[0])
+    assert bool(torch.isnan(lp[1]).all()) and bool(torch.isnan(lp[2]).all())
+    trees = backend.build(lp, ids, budget, roots)
+    for field in ("tokens", "parents", "num_nodes"):
+        assert torch.equal(getattr(trees, field)[0], getattr(trees_c, field)[0])
+
+    bad_target = target.clone()
+    bad_target[0, 3, 11] = float("nan")
+    acc = backend.accept_greedy(trees_c, bad_target, depth)
+    assert acc.errors.tolist() == [8, 0, 0]
+    for field in ("accepted", "accept_lens", "bonus", "committed"):
+        assert torch.equal(getattr(acc, field)[1:], getattr(acc_c, field)[1:]), field
+    sampled = backend.accept_sampled(trees_c, bad_target, torch.tensor([0.7, 0.7, 0.0]), torch.tensor([1, 2, 3]),
+                                     torch.tensor([10, 10, 10]), depth)
+    assert sampled.errors.tolist() == [8, 0, 0]
+
+    worker = types.SimpleNamespace(backend=backend)
+    batch = _batch(bs)
+    plan = types.SimpleNamespace(src_slots=torch.zeros((bs, 2), dtype=torch.int64))
+    KDTreeWorker._round_faults(worker, batch, acc, plan, bad_draft)
+    assert [r.to_finish is not None for r in batch.reqs] == [True, True, True]  # 0: target, 1-2: draft
+    assert "NaN in a visited target logits row" in batch.reqs[0].to_finish.message
+    assert "draft: logprobs contains NaN" in batch.reqs[1].to_finish.message
+    assert int(backend.tree_errors) == 0
 
 
 def test_reference_gather_hidden_takes_the_accepted_rows_not_the_first_tau():
