@@ -15,7 +15,14 @@ Both take and return torch tensors on the worker's device with the same shapes a
 * ``accept_greedy(trees, logits [bs, N, V], max_depth)`` / ``accept_sampled(..., temperatures, seeds,
   seq_lens, max_depth)`` -> ``accepted [bs, L+1]``, ``accept_lens [bs]`` (tau, bonus included),
   ``bonus [bs]``, ``committed [bs, L+1]``;
-* ``commit_plan(accepted, accept_lens, verify_slots [bs, N])`` -> ``src_slots/dst_slots/hidden_rows``.
+* ``commit_plan(accepted, accept_lens, verify_slots [bs, N])`` -> ``src_slots/dst_slots/hidden_rows``;
+* ``commit_kv(pool, plan)`` moves the accepted KV rows; ``gather_hidden(hidden, plan, width)`` -> the accepted
+  rows' hidden states ``[bs, min(L+1, N), D]``;
+* ``reserve(batch, budget, depth, vocab, mask_bytes)`` sizes the round's buffers (GPU; a no-op on CPU).
+
+Faults: neither backend raises on bad values in one request. Accept results carry ``errors [bs]`` (int64,
+``gpu.errors.DEVICE_ERRORS``), and ``tree_errors`` / ``commit_errors`` (``int32 [1]``) collect the draft and
+commit faults of the batch; the worker reads them once per round and ends the faulty requests.
 
 Semantics are those of ``reference`` (shared/notes/ddtree.md); the reference backend is the product on
 CPU, not a stand-in, and the GPU kernels are tested bit-exact against it.
