@@ -47,11 +47,15 @@ def kdtree_server(plain_server, tiny_models, server_logs):
     name = plain_server.model_name
     round_log = server_logs / f"rounds-{name}.jsonl"
     round_log.unlink(missing_ok=True)
+    faults = server_logs / f"faults-{name}.json"  # test-only fault injection: absent unless a test writes it
+    faults.unlink(missing_ok=True)
     server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name),
-                          name=f"kdtree-{name}", env={"KDTREE_ROUND_LOG": str(round_log)})
+                          name=f"kdtree-{name}", env={"KDTREE_ROUND_LOG": str(round_log),
+                                                      "KDTREE_TEST_FAULTS": str(faults)})
     server.wait_ready()
     server.model_name = name
     server.round_log = round_log
+    server.faults = faults
     yield server
     pid = server.proc.pid
     started = time.time()
@@ -243,3 +247,41 @@ def test_service_healthcheck_passes_against_the_kdtree_server_and_fails_on_a_clo
     closed = subprocess.run([script, "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "3"],
                             capture_output=True, text=True, timeout=60)
     assert closed.returncode == 1, closed.stdout + closed.stderr
+
+
+def _generate_or_error(server, payload) -> dict:
+    """The response, or for an error status the decoded error body (SGLang answers some aborts so)."""
+    try:
+        return server.generate(payload)
+    except urllib.error.HTTPError as exc:
+        return {"http_status": exc.code, "error": exc.read().decode(errors="replace")}
+
+
+@pytest.mark.parametrize("fault", ["draft_nan", "target_nan"])
+def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_results, fault):
+    """NaN forced (``KDTREE_TEST_FAULTS``) into one request's draft or target verify logits while it shares
+    batches with others: that request ends with an abort naming the fault; the others' outputs equal the
+    plain server's, and afterwards the server is healthy and still exact."""
+    import urllib.request
+
+    plain, _ = greedy_results
+    kdtree_server.faults.write_text(json.dumps({"kdtree-faulty-": fault}))
+    try:
+        payloads = [dict(_greedy(p), rid=f"kdtree-ok-{fault}-{i}") for i, p in enumerate(PROMPTS[:6])]
+        payloads.insert(2, dict(_greedy(PROMPTS[7]), rid=f"kdtree-faulty-{fault}"))
+        with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+            results = list(pool.map(lambda p: _generate_or_error(kdtree_server, p), payloads))
+    finally:
+        kdtree_server.faults.unlink()
+    faulty = results.pop(2)
+    if "http_status" in faulty:
+        assert "KDTREE round failed" in faulty["error"], faulty
+    else:
+        reason = faulty["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "KDTREE round failed" in reason["message"], reason
+        assert ("NaN" in reason["message"]), reason
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in plain[:6]]
+    with urllib.request.urlopen(kdtree_server.url + "/health", timeout=30) as r:
+        assert r.status == 200
+    again = _concurrent(kdtree_server, [_greedy(p) for p in PROMPTS[:4]])
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain[:4]]
