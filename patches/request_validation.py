@@ -10,9 +10,9 @@ would stop the scheduler for every request, or be served a different distributio
 KDTREE a request is aborted at admission with a message naming the field when it asks for
 
 * ``return_logprob`` or a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
-* at T > 0, a sampling filter or penalty the tree accept does not apply: ``top_p < 1``, ``top_k`` other than
-  off, ``min_p > 0``, ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty``
-  other than 1 (greedy requests are unaffected: a filter cannot change the argmax);
+* at T > 0, a sampling filter or penalty the tree accept does not apply: ``min_p > 0``,
+  ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty`` other than 1 (greedy
+  requests are unaffected: a filter cannot change the argmax; top-k and top-p are applied by the accept);
 * an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
 
 Other requests go to SGLang's check.
@@ -26,24 +26,18 @@ TARGETS = (TARGET, "sglang.srt.managers.scheduler.validate_dflash_request")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-#: SGLang's "no top-k" value (``sampling_params.TOP_K_ALL``) and its greedy encoding (``top_k == 1``)
-_TOP_K_OFF = (1 << 30, -1)
 #: (field, value that means "off") of the filters and penalties the tree accept does not apply at T > 0
-_UNSERVED_AT_T = (("top_p", 1.0), ("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+_UNSERVED_AT_T = (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                   ("repetition_penalty", 1.0))
 
 
 def _sampling_error(params) -> str | None:
-    top_k = getattr(params, "top_k", -1)
-    if top_k == 1:  # SGLang's encoding of greedy (temperature 0): filters cannot change the argmax
+    if getattr(params, "top_k", -1) == 1:  # SGLang's encoding of greedy (temperature 0): the argmax is served
         return None
-    if top_k not in _TOP_K_OFF and top_k is not None:
-        return ("KDTREE speculative decoding samples from the temperature-scaled target only; top_k is not "
-                f"applied yet: drop top_k (got {top_k}) or use temperature 0")
     for field, off in _UNSERVED_AT_T:
         value = getattr(params, field, off)
         if value is not None and float(value) != off:
-            return (f"KDTREE speculative decoding samples from the temperature-scaled target only; {field} is not "
+            return (f"KDTREE speculative decoding applies temperature, top_k and top_p only; {field} is not "
                     f"applied yet: drop {field} (got {value}) or use temperature 0")
     return None
 

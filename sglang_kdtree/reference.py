@@ -49,6 +49,7 @@ __all__ = [
     "verify_inputs",
     "ancestor_bits_to_bool",
     "accept_greedy",
+    "filter_top_k_top_p",
     "sample_node_tokens",
     "accept_sampled",
     "commit_plan",
@@ -616,16 +617,42 @@ def accept_greedy(trees: TreeBatch, target_logits, max_depth: int | None = None)
     return _walk(trees, target_tokens, max_depth)
 
 
-def sample_node_tokens(target_logits, temperature: float, rng: np.random.Generator) -> np.ndarray:
-    """Sample one token per node independently from ``softmax(logits / T)``.
+def filter_top_k_top_p(p, top_k: int | None = None, top_p: float | None = None) -> np.ndarray:
+    """SGLang's top-k / top-p filter of float64 probability rows ``[..., V]``: order each row by probability
+    (descending, equal probabilities lower token id first), keep rank ``r`` iff ``r < top_k`` and the mass of
+    the ranks before it is ``<= top_p``, zero the rest and renormalise. ``None`` (or ``top_k >= V``,
+    ``top_p >= 1``) leaves that filter off; the top token is always kept."""
+    p = np.asarray(p, dtype=np.float64)
+    v = p.shape[-1]
+    k = v if top_k is None else max(1, min(int(top_k), v))
+    if k >= v and (top_p is None or top_p >= 1.0):
+        return p / p.sum(axis=-1, keepdims=True)
+    flat = p.reshape(-1, v)
+    out = np.zeros_like(flat)
+    ids = np.arange(v)
+    for row in range(flat.shape[0]):
+        order = np.lexsort((ids, -flat[row]))
+        ps = flat[row, order]
+        keep = ids < k
+        if top_p is not None and top_p < 1.0:
+            keep &= (np.cumsum(ps) - ps) <= top_p * ps.sum()
+        out[row, order[keep]] = ps[keep]
+    return (out / out.sum(axis=1, keepdims=True)).reshape(p.shape)
+
+
+def sample_node_tokens(target_logits, temperature: float, rng: np.random.Generator, top_k: int | None = None,
+                       top_p: float | None = None) -> np.ndarray:
+    """Sample one token per node independently from ``softmax(logits / T)``, filtered by ``top_k`` / ``top_p``
+    as SGLang's sampler does (``filter_top_k_top_p``; off by default).
 
     Args:
         target_logits: ``[bs, N, V]`` float logits.
         temperature: T > 0.
         rng: an explicit ``numpy.random.Generator``; draws ``bs*N`` uniforms in row-major node order.
+        top_k, top_p: the request's filters (``top_k = 1``: the argmax, lower id on ties).
 
     Returns:
-        ``[bs, N]`` int64 sampled tokens (inverse-CDF on float64 probabilities).
+        ``[bs, N]`` int64 sampled tokens (inverse-CDF on float64 probabilities, in token-id order).
     """
     t = np.asarray(target_logits)
     _require_float("target_logits", t)
@@ -637,6 +664,8 @@ def sample_node_tokens(target_logits, temperature: float, rng: np.random.Generat
     x = t.astype(np.float64) / float(temperature)
     x -= x.max(axis=-1, keepdims=True)
     p = np.exp(x)
+    if (top_k is not None and top_k < t.shape[-1]) or (top_p is not None and top_p < 1.0):
+        p = filter_top_k_top_p(p, top_k, top_p)
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(t.shape[:2]) * cdf[..., -1]
     out = np.empty(t.shape[:2], dtype=np.int64)

@@ -26,8 +26,8 @@ Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server w
 ``--disable-overlap-schedule`` is refused at startup). The round still reads lengths on the host (tree
 widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
 
-Sampling at T > 0: temperature only (top-k / top-p / penalties are ignored on this path) with a per-request
-generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible
+Sampling at T > 0: temperature, top-k and top-p as SGLang's sampler applies them (min-p and penalties are
+refused at admission, ``patches/request_validation.py``), with a per-request generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible
 (the prefill's token of a seeded request is drawn by the same sampler; SGLang itself honours seeds only
 under ``--enable-deterministic-inference``, which CPU backends do not support).
 """
@@ -248,8 +248,10 @@ class KDTreeWorker(DFlashWorkerV2):
         if not rows:
             return
         index = torch.tensor(rows, device=self.device)
+        top_ks, top_ps = _per_request(sampling.top_ks), _per_request(sampling.top_ps)
         drawn = self.backend.sample_tokens(logits[index, : self.vocab_size], temps[index], seeds[index],
-                                           batch.seq_lens[index])
+                                           batch.seq_lens[index], None if top_ks is None else top_ks[index],
+                                           None if top_ps is None else top_ps[index])
         result.next_token_ids[index] = drawn.to(result.next_token_ids.dtype)
         # the next round's root is the draft input's own (int64) copy of the token: it must be the same one
         draft_input = result.next_draft_input
@@ -489,7 +491,8 @@ class KDTreeWorker(DFlashWorkerV2):
         else:
             seeds, _ = self._request_seeds(batch)
             acc = self.backend.accept_sampled(trees, logits, sampling.temperatures.view(-1), seeds.view(-1),
-                                              prefix_lens, self.depths)
+                                              prefix_lens, self.depths, top_ks=_per_request(sampling.top_ks),
+                                              top_ps=_per_request(sampling.top_ps))
         accept_lens = acc.accept_lens.to(torch.int64)
         new_seq_lens = prefix_lens + accept_lens
         if on_publish is not None:
@@ -534,6 +537,11 @@ class KDTreeWorker(DFlashWorkerV2):
             routed_experts_output=target_out.routed_experts_output,
             indexer_topk_output=target_out.indexer_topk_output,
         )
+
+
+def _per_request(values):
+    """SGLang's per-request sampling tensor (``SamplingBatchInfo.top_ks`` / ``top_ps``) as ``[bs]``, or None."""
+    return None if values is None else values.reshape(-1)
 
 
 class _RoundMarks:

@@ -235,8 +235,7 @@ def _sampled_req(ids=(1, 2, 3), **overrides):
     return _Obj(return_logprob=False, sampling_params=params, origin_input_ids=list(ids))
 
 
-@pytest.mark.parametrize("field, value", [("top_p", 0.95), ("top_k", 40), ("min_p", 0.05),
-                                          ("frequency_penalty", 0.5), ("presence_penalty", -0.3),
+@pytest.mark.parametrize("field, value", [("min_p", 0.05), ("frequency_penalty", 0.5), ("presence_penalty", -0.3),
                                           ("repetition_penalty", 1.1)])
 def test_kdtree_refuses_sampling_filters_it_would_otherwise_ignore(monkeypatch, field, value):
     from sglang_kdtree import worker
@@ -249,8 +248,9 @@ def test_kdtree_refuses_sampling_filters_it_would_otherwise_ignore(monkeypatch, 
     assert error != "original" and field in error and str(value) in error
     # greedy: the same field cannot change the argmax, so the request is served
     assert patch.validate_dflash_request(original, _sampled_req(temperature=0, **{field: value}), False) == "original"
-    # temperature alone is served
+    # temperature, top-k and top-p are served (the tree accept applies them)
     assert patch.validate_dflash_request(original, _sampled_req(), False) == "original"
+    assert patch.validate_dflash_request(original, _sampled_req(top_k=40, top_p=0.9), False) == "original"
     # and nothing is refused when this process is not a KDTREE server
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
     assert patch.validate_dflash_request(original, _sampled_req(**{field: value}), False) == "original"

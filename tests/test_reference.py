@@ -483,3 +483,52 @@ def test_malformed_parents_are_rejected():
         R.accept_greedy(bad, np.zeros((1, 7), np.int64))
     with pytest.raises(ValueError, match="parents"):
         R.verify_inputs(bad, np.array([4]))
+
+
+def _filter_brute(p, top_k, top_p):
+    """Independent twin of SGLang's top-k / top-p: walk the tokens from most to least likely (ties lower id
+    first) in plain Python, stopping at k tokens or once the mass already taken exceeds top_p."""
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    total, taken, kept = sum(p), 0.0, []
+    for rank, i in enumerate(order):
+        if rank >= top_k or taken > top_p * total:
+            break
+        kept.append(i)
+        taken += p[i]
+    out = [0.0] * len(p)
+    mass = sum(p[i] for i in kept)
+    for i in kept:
+        out[i] = p[i] / mass
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filter_top_k_top_p_matches_an_independent_walk_including_ties(seed):
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(2, 40))
+    p = np.round(rng.random(v), 1) + 1e-3 * (rng.random(v) < 0.2)  # many exact ties
+    for top_k, top_p in [(1, 1.0), (3, 1.0), (v + 5, 0.5), (4, 0.3), (v, 1e-9), (2, 0.999)]:
+        got = R.filter_top_k_top_p(p, top_k, top_p)
+        np.testing.assert_allclose(got, _filter_brute(list(p), top_k, top_p), rtol=0, atol=1e-12)
+
+
+def test_sample_node_tokens_with_filters():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 5, 30)).astype(np.float32)
+    top1 = R.sample_node_tokens(logits, 1.0, np.random.default_rng(1), top_k=1)
+    assert np.array_equal(top1, logits.argmax(-1))
+    tiny_p = R.sample_node_tokens(logits, 1.0, np.random.default_rng(1), top_p=1e-6)
+    assert np.array_equal(tiny_p, logits.argmax(-1))
+    # no filter: exactly the old draw
+    assert np.array_equal(R.sample_node_tokens(logits, 0.7, np.random.default_rng(5)),
+                          R.sample_node_tokens(logits, 0.7, np.random.default_rng(5), top_k=None, top_p=1.0))
+    # top_k 3: only the three likeliest tokens of each row are ever drawn, with their renormalised odds
+    row = logits[0, 0].astype(np.float64)
+    draws = np.array([R.sample_node_tokens(logits[:1, :1], 1.0, np.random.default_rng(s), top_k=3)[0, 0]
+                      for s in range(3000)])
+    top3 = np.argsort(-row)[:3]
+    assert set(np.unique(draws)) <= set(top3.tolist())
+    expect = np.exp(row[top3] - row.max())
+    expect /= expect.sum()
+    freq = np.array([(draws == t).mean() for t in top3])
+    assert np.abs(freq - expect).max() < 0.04  # 3000 draws: 4 sigma of the largest binomial error

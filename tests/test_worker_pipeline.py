@@ -107,3 +107,23 @@ def test_sampled_tokens_do_not_depend_on_the_tree():
         token = min(int(np.searchsorted(cdf, position_uniform(7, pos) * cdf[-1], side="right")), vocab - 1)
         expected.append(token)
     assert commits[0][:common] == expected
+
+
+def test_reference_accept_sampled_honours_top_k_and_top_p_per_request():
+    """A batch mixing SGLang's greedy encoding (T 1, top_k 1), top_p ~ 0 and plain T = 1: the first two walk
+    exactly like the greedy accept, the third samples."""
+    rng = np.random.default_rng(8)
+    backend = ReferenceBackend("cpu")
+    draft = torch.from_numpy(rng.normal(size=(3, 4, 40)).astype(np.float32))
+    lp, ids = backend.topk(draft, 6)
+    trees = backend.build(lp, ids, 6, torch.tensor([1, 2, 3]))
+    target = torch.from_numpy(rng.normal(size=(3, 7, 40)).astype(np.float32) * 0.3)
+    greedy = backend.accept_greedy(trees, target, 4)
+    acc = backend.accept_sampled(trees, target, torch.ones(3), torch.tensor([5, 6, 7]), torch.tensor([9, 9, 9]), 4,
+                                 top_ks=torch.tensor([1, 1 << 30, 1 << 30], dtype=torch.int32),
+                                 top_ps=torch.tensor([1.0, 1e-6, 1.0]))
+    for b in (0, 1):
+        assert torch.equal(acc.committed[b], greedy.committed[b]) and acc.accept_lens[b] == greedy.accept_lens[b]
+    free = [backend.accept_sampled(trees, target, torch.ones(3), torch.tensor([5, 6, s]), torch.tensor([9, 9, 9]),
+                                   4).committed[2, 0].item() for s in range(40)]
+    assert len(set(free)) > 1  # the unfiltered request really samples (flat target: many likely tokens)
