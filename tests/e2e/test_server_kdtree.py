@@ -285,3 +285,13 @@ def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_res
         assert r.status == 200
     again = _concurrent(kdtree_server, [_greedy(p) for p in PROMPTS[:4]])
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain[:4]]
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_p": 1e-6}, {"temperature": 1.0, "top_k": 1}])
+def test_top_p_and_top_k_filter_the_tree_accept(kdtree_server, greedy_results, params):
+    """T = 1 with top_p ~ 0 or top_k 1 leaves only the argmax: the plain server then answers greedily, and so
+    must KDTREE (before the accept applied the filters it sampled at T = 1: 7 of 24 greedy on the tiny Llama)."""
+    plain, _ = greedy_results
+    got = _concurrent(kdtree_server, [{"input_ids": p, "sampling_params": {"max_new_tokens": NEW_TOKENS, **params}}
+                                      for p in PROMPTS])
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in plain]
