@@ -249,24 +249,17 @@ def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidde
     the round's end-of-round host read of the error flags."""
     import torch
 
-    from sglang_kdtree.pipeline import GpuBackend
+    from sglang_kdtree.pipeline import GpuBackend, bookkeeping_round
 
     width = budget + 1
     backend = GpuBackend("cuda")
     g = torch.Generator(device="cuda").manual_seed(7)
-    target = torch.randn((bs * width, vocab), device="cuda", generator=g)
+    target = torch.randn((bs, width, vocab), device="cuda", generator=g)
     hidden = torch.randn((bs * width, hidden_size), device="cuda", generator=g).to(torch.bfloat16)
     slots = torch.arange(bs * width, device="cuda", dtype=torch.int64).view(bs, width)
-    mask_bytes = seq_sum * width + width * width * bs
 
     def round_():
-        backend.reserve(bs, budget, depth, vocab, mask_bytes)
-        lp, ids = backend.topk(logits, min(budget, vocab))
-        trees = backend.build(lp, ids, budget, roots)
-        backend.verify_inputs(trees, seq, seq_sum)
-        acc = backend.accept_greedy(trees, target, depth)
-        plan = backend.commit_plan(acc.accepted, acc.accept_lens, slots)
-        backend.gather_hidden(hidden, plan, width)
+        bookkeeping_round(backend, logits, budget, depth, roots, seq, seq_sum, target, slots, hidden)
 
     round_()  # sizes the buffers and compiles, as the server's startup rehearsal does
     return round_

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from sglang_kdtree import reference
+from sglang_kdtree.gpu.verify import full_mask_numel
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +272,26 @@ class ReferenceBackend:
         return hidden[torch.where(rows >= 0, rows, torch.zeros_like(rows)).reshape(-1)].view(*rows.shape, -1)
 
 
+def bookkeeping_round(backend, draft_logits, budget: int, depth: int, roots, seq_lens, seq_lens_sum: int,
+                      target_logits, verify_slots, hidden, temperatures=None, seeds=None):
+    """The backend steps of one round in the worker's order, without the model forwards between them (the
+    startup rehearsal and the bench CLI run it on synthetic inputs): reserve -> top-K -> tree -> verify inputs
+    -> accept (greedy; sampled when ``temperatures`` / ``seeds`` are given) -> commit plan -> accepted hidden
+    rows. Returns ``(trees, verify, accept, plan, hidden_rows)``."""
+    bs, _, vocab = draft_logits.shape
+    width = int(budget) + 1
+    backend.reserve(bs, budget, depth, vocab, full_mask_numel(seq_lens_sum, width, bs))
+    logprobs, ids = backend.topk(draft_logits, min(budget, vocab))
+    trees = backend.build(logprobs, ids, budget, roots)
+    verify = backend.verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum)
+    if temperatures is None:
+        acc = backend.accept_greedy(trees, target_logits, depth)
+    else:
+        acc = backend.accept_sampled(trees, target_logits, temperatures, seeds, seq_lens, depth)
+    plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), verify_slots)
+    return trees, verify, acc, plan, backend.gather_hidden(hidden, plan, width)
+
+
 def move_kv_with_sglang(pool, plan) -> None:
     """Apply a commit plan with the pool's own ``move_kv_cache`` (only the rows whose slot changes; one host
     sync to know whether any does)."""
@@ -309,7 +330,7 @@ class GpuBackend:
         self._builder = None  # gpu.tree.TreeBuilder sized by reserve()
         self._accept_storage = torch.empty(0, dtype=torch.int64, device=self.device)
         self._plan_storage = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._hidden_storage = None
+        self._hidden_storage = torch.empty(0, dtype=torch.bfloat16, device=self.device)
         self.tree_errors = topk.new_error_flag(self.device)
         self.commit_errors = errors.new_error_flag(self.device)
         self._kv_tables = {}
@@ -339,10 +360,12 @@ class GpuBackend:
             return None
         return b
 
-    def _storage(self, name: str, numel: int) -> torch.Tensor:
+    def _storage(self, name: str, numel: int, dtype=torch.int64) -> torch.Tensor:
+        """The backend's grow-only buffer ``name`` holding at least ``numel`` elements of ``dtype``."""
         current = getattr(self, name)
-        if current.numel() < numel:
-            current = torch.empty(_grown(current.numel(), numel), dtype=torch.int64, device=self.device)
+        if current.numel() < numel or current.dtype != dtype:
+            held = current.numel() if current.dtype == dtype else 0
+            current = torch.empty(_grown(held, numel), dtype=dtype, device=self.device)
             setattr(self, name, current)
         return current
 
@@ -373,7 +396,7 @@ class GpuBackend:
         width = trees.tokens.shape[1]
         out = None
         if builder is not None and seq_lens_sum is not None and width <= builder.max_budget + 1 and \
-                builder.verify.full_mask.numel() >= int(seq_lens_sum) * width + width * width * trees.tokens.shape[0]:
+                builder.verify.full_mask.numel() >= full_mask_numel(seq_lens_sum, width, trees.tokens.shape[0]):
             out = builder.verify
         return self._verify.verify_inputs(trees, seq_lens.to(torch.int64), seq_lens_sum=seq_lens_sum, out=out,
                                           error_flag=self.tree_errors)
@@ -418,17 +441,11 @@ class GpuBackend:
     def gather_hidden(self, hidden, plan, width: int):
         """As ``ReferenceBackend.gather_hidden`` (here rows past tau are zeros), into reused storage."""
         bs, m = plan.hidden_rows.shape
-        rows = plan.hidden_rows[:, : min(m, width)]
+        rows = plan.hidden_rows[:, : min(m, width)].contiguous()
         d = hidden.shape[-1]
-        need = rows.numel() * d
-        if self._hidden_storage is None or self._hidden_storage.dtype != hidden.dtype or \
-                self._hidden_storage.numel() < need:
-            old = 0 if self._hidden_storage is None or self._hidden_storage.dtype != hidden.dtype \
-                else self._hidden_storage.numel()
-            self._hidden_storage = torch.empty(_grown(old, need), dtype=hidden.dtype, device=self.device)
-        out = self._hidden_storage[:need].view(bs, rows.shape[1], d)
-        plan_view = _PlanRows(rows.contiguous() if not rows.is_contiguous() else rows)
-        return self._compact.gather_hidden(hidden, plan_view, errors=self.commit_errors, out=out)
+        out = self._storage("_hidden_storage", rows.numel() * d, hidden.dtype)[: rows.numel() * d]
+        return self._compact.gather_hidden(hidden, _PlanRows(rows), errors=self.commit_errors,
+                                           out=out.view(bs, rows.shape[1], d))
 
 
 @dataclass
@@ -436,7 +453,6 @@ class _PlanRows:
     """The part of a commit plan ``gather_hidden`` reads (its ``hidden_rows`` cut to the verify width)."""
 
     hidden_rows: torch.Tensor
-    errors: torch.Tensor | None = None
 
 
 def _compactable_layers(pool, compact):

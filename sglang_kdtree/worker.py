@@ -41,7 +41,8 @@ from contextlib import contextmanager
 
 import torch
 
-from sglang_kdtree.pipeline import select_backend, vocab_parallel_topk
+from sglang_kdtree.gpu.verify import full_mask_numel
+from sglang_kdtree.pipeline import bookkeeping_round, select_backend, vocab_parallel_topk
 
 logger = logging.getLogger(__name__)
 
@@ -437,7 +438,7 @@ class KDTreeWorker(DFlashWorkerV2):
         marks = _RoundMarks(device, enabled=self._round_log is not None)
         # the round's buffers for this batch and context (grow-only; nothing is allocated in steady state)
         self.backend.reserve(bs, self.budget, self.depths, self.vocab_size,
-                             mask_bytes=int(prefix_cpu.sum()) * width + width * width * bs)
+                             mask_bytes=full_mask_numel(int(prefix_cpu.sum()), width, bs))
 
         # 1-3: draft block -> per-depth top-K -> tree
         draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
@@ -584,17 +585,13 @@ def rehearse_round(backend, bs: int, budget: int, depth: int, vocab: int, device
     gen = torch.Generator(device=device).manual_seed(0)
     draft = torch.randn((bs, depth, vocab), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
     prefix = torch.full((bs,), 8, dtype=torch.int64, device=device)
-    backend.reserve(bs, budget, depth, vocab, mask_bytes=8 * bs * width + width * width * bs)
-    logprobs, ids = backend.topk(draft, min(budget, vocab))
-    trees = backend.build(logprobs, ids, budget, torch.zeros(bs, dtype=torch.int64, device=device))
-    backend.verify_inputs(trees, prefix, seq_lens_sum=8 * bs)
     logits = torch.randn((bs, width, vocab), generator=gen, device=device, dtype=torch.float32)
-    backend.accept_greedy(trees, logits, depth)
-    acc = backend.accept_sampled(trees, logits, torch.ones(bs, dtype=torch.float32, device=device),
-                                 torch.arange(bs, dtype=torch.int64, device=device), prefix, depth)
-    slots = torch.arange(bs * width, dtype=torch.int64, device=device).view(bs, width)
-    plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), slots)
-    backend.gather_hidden(torch.zeros((bs * width, hidden_size), dtype=hidden_dtype, device=device), plan, width)
+    round_inputs = (draft, budget, depth, torch.zeros(bs, dtype=torch.int64, device=device), prefix, 8 * bs, logits,
+                    torch.arange(bs * width, dtype=torch.int64, device=device).view(bs, width),
+                    torch.zeros((bs * width, hidden_size), dtype=hidden_dtype, device=device))
+    bookkeeping_round(backend, *round_inputs)
+    bookkeeping_round(backend, *round_inputs, temperatures=torch.ones(bs, dtype=torch.float32, device=device),
+                      seeds=torch.arange(bs, dtype=torch.int64, device=device))
     for flag in (getattr(backend, "tree_errors", None), getattr(backend, "commit_errors", None)):
         if flag is not None:
             flag.zero_()

@@ -162,3 +162,36 @@ def test_round_marks_split_in_order_and_off_by_default():
     off = _RoundMarks("cpu", enabled=False)
     off.mark("draft")
     assert off.split() == {}
+
+
+def test_startup_rehearsal_runs_the_rounds_steps_on_either_backend():
+    """``rehearse_round`` (the CUDA server's startup rehearsal, two ``pipeline.bookkeeping_round`` calls) runs on
+    the reference backend too, so a contract slip in the shared step sequence shows up on CPU."""
+    from sglang_kdtree.worker import rehearse_round
+
+    backend = pipeline.ReferenceBackend("cpu")
+    used = rehearse_round(backend, bs=3, budget=6, depth=4, vocab=40, device="cpu", hidden_size=16)
+    assert used == 3 * 7 * 40 * 4  # the fp32 verify logits it rehearsed with
+    assert int(backend.tree_errors) == 0 and int(backend.commit_errors) == 0
+
+
+def test_bookkeeping_round_equals_the_steps_called_one_by_one():
+    gen = torch.Generator().manual_seed(9)
+    bs, budget, depth, vocab, width = 2, 5, 3, 30, 6
+    draft = torch.randn((bs, depth, vocab), generator=gen)
+    target = torch.randn((bs, width, vocab), generator=gen)
+    seq = torch.tensor([4, 9])
+    slots = torch.arange(bs * width).view(bs, width) + 100
+    hidden = torch.randn((bs * width, 8), generator=gen)
+    roots = torch.tensor([1, 2])
+    b = pipeline.ReferenceBackend("cpu")
+    trees, verify, acc, plan, rows = pipeline.bookkeeping_round(b, draft, budget, depth, roots, seq, 13, target, slots,
+                                                                hidden)
+    lp, ids = b.topk(draft, budget)
+    t2 = b.build(lp, ids, budget, roots)
+    a2 = b.accept_greedy(t2, target, depth)
+    p2 = b.commit_plan(a2.accepted, a2.accept_lens, slots)
+    assert torch.equal(trees.tokens, t2.tokens) and torch.equal(acc.committed, a2.committed)
+    assert torch.equal(plan.src_slots, p2.src_slots)
+    assert torch.equal(verify.full_mask, b.verify_inputs(t2, seq, 13).full_mask)
+    assert torch.equal(rows, b.gather_hidden(hidden, p2, width))

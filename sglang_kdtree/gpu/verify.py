@@ -16,7 +16,7 @@ import numpy as np
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import _ptr, _require_cuda, new_error_flag, raise_on_flag
 
-__all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs"]
+__all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
 _MAX_WIDTH = 1025
@@ -41,6 +41,12 @@ class GpuVerifyInputs:
     retrieve_index: object
     retrieve_next_token: object
     retrieve_next_sibling: object
+
+
+def full_mask_numel(seq_lens_sum: int, width: int, bs: int) -> int:
+    """Entries of SGLang's FULL_MASK for ``bs`` trees of width ``width`` over prefixes summing to
+    ``seq_lens_sum``: each request's ``N x (P + N)`` block."""
+    return int(seq_lens_sum) * int(width) + int(width) * int(width) * int(bs)
 
 
 def alloc_verify_inputs(max_batch: int, max_width: int, max_mask_bytes: int, device) -> GpuVerifyInputs:
@@ -100,7 +106,7 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
         raise ValueError(f"seq_lens_sum must be an int >= 0, got {seq_lens_sum!r}")
     words = (width + 31) // 32
     n = bs * width
-    mask_numel = int(seq_lens_sum) * width + width * width * bs
+    mask_numel = full_mask_numel(seq_lens_sum, width, bs)
     dev = trees.tokens.device
     if out is None:
         out = alloc_verify_inputs(bs, width, mask_numel, dev)
