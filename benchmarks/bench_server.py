@@ -39,6 +39,9 @@ import cuda_servers  # noqa: E402
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12
+#: the fused MLA kernel's verify logits vs SGLang's, relative to the largest |logit|: both run bf16 matmuls
+#: around fp32-accumulated attention, so they may differ by a few bf16 ulps of the logits (2^-8 relative)
+AB_REL_TOL = 2 ** -6
 
 
 def bookkeeping_floor_ms(bs: int, depths: int, vocab: int, logit_bytes: int = 2) -> float:
@@ -210,6 +213,16 @@ def main(argv=None) -> int:
                                                      "new_tokens": args.new_tokens, "table": table}, indent=1))
     depths, vocab = _geometry(variant)
     print(format_table(table, depths, vocab))
+    ab = compare_dumps(args.out)
+    (args.out / "verify_ab.json").write_text(json.dumps(ab, indent=1))
+    for row in ab:
+        print(f"verify logits round {row['round']}: " + (
+            f"fused MLA vs SGLang MLA max|diff| {row['max_abs']:.4g} = {row['rel_to_max_logit']:.3g} of max|logit|, "
+            f"argmax agree {row['argmax_agree']} over {row['rows']} rows (tolerance {AB_REL_TOL:g} of max|logit|: "
+            f"{'PASS' if row['rel_to_max_logit'] <= AB_REL_TOL and row['argmax_agree'] else 'FAIL'}), graph {row['graph']}"
+            if row["same_inputs"] else "verify inputs differ (trees diverged), not compared"))
+    if not ab:
+        print("verify logits: no dumps to compare (kdtree-log / kdtree-nomla did not both dump)")
     return 0 if not failed else 1
 
 

@@ -36,7 +36,14 @@ step() {
   return $rc
 }
 
-step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-server/*.whl
+# .dev-carry (benchmarks/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
+if [ -d .dev-carry/whl ]; then
+  WHEELS=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; JIT_SERVER=.dev-carry
+  [ -d .dev-carry/tiny_models ] && export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.dev-carry/tiny_models}
+else
+  WHEELS=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; JIT_SERVER=.jitcache-server
+fi
+step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
 python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
@@ -53,9 +60,9 @@ fi
 
 export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
 mkdir -p "$SGLANG_JIT_CACHE_DIR"
-if [ -f .jitcache-server/jitcache-server.tar.gz ]; then
-  tar -xzf .jitcache-server/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR"
-elif [ -d .jitcache-server ]; then
+if [ -f "$JIT_SERVER/jitcache-server.tar.gz" ]; then
+  tar -xzf "$JIT_SERVER/jitcache-server.tar.gz" -C "$SGLANG_JIT_CACHE_DIR"
+elif [ "$JIT_SERVER" = .jitcache-server ] && [ -d .jitcache-server ]; then
   cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
 fi
 
@@ -69,7 +76,8 @@ if [ -n "${KIMI:-}" ]; then
   # the Kimi-shaped W4A16 target (tests/e2e/make_kimi_model.py, built here: its vocab-163,840 embedding is too
   # big to carry) and, if carried, the prebuilt Marlin JIT modules (.jitcache/sm90a, tests/e2e/prebuild_jit.py)
   export KDTREE_KIMI_MODELS=${KDTREE_KIMI_MODELS:-$PWD/.kimi_models}
-  [ -d .jitcache/sm90a ] && step seed_jit 120 python3 tests/e2e/prebuild_jit.py --seed .jitcache/sm90a
+  [ -d "$JIT_SEED" ] && step seed_jit 120 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+    python3 tests/e2e/prebuild_jit.py --seed "$JIT_SEED" --which plain,glue,kdtree --no-build
   step kimi_models 240 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), log=print))"
