@@ -481,6 +481,7 @@ class KDTreeWorker(DFlashWorkerV2):
         marks.mark("verify")
         if self._dump_prefix is not None and self._dumped < DUMP_ROUNDS:
             torch.save({"input_ids": verify.input_ids.cpu(), "positions": verify.positions.cpu(),
+                        "tokens": trees.tokens.cpu(), "parents": trees.parents.cpu(),
                         "logits": logits[:, :, :DUMP_COLUMNS].float().cpu(), "graph": target_out.can_run_cuda_graph},
                        f"{self._dump_prefix}.{self._dumped}.pt")
             self._dumped += 1

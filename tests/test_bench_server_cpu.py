@@ -75,3 +75,25 @@ def test_compare_dumps_measures_same_input_rounds_and_skips_diverged_ones(tmp_pa
     assert rows[0]["same_inputs"] and abs(rows[0]["max_abs"] - 0.25) < 1e-6 and rows[0]["rows"] == 6
     assert abs(rows[0]["rel_to_max_logit"] - rows[0]["max_abs"] / float(shifted.abs().max())) < 1e-12
     assert rows[1] == {"round": 1, "same_inputs": False, "graph": (True, True)}
+
+
+def test_compare_dumps_matches_nodes_by_token_path_when_the_order_differs(tmp_path):
+    """Two servers' trees with the same nodes in another order (near ties) compare node for node by path."""
+    import torch
+
+    bench = _load()
+    # tree A: root 7 -> children 3 (node 1), 5 (node 2); 3 -> 9 (node 3); tree B lists 5 before 3
+    tok_a, par_a = torch.tensor([[7, 3, 5, 9]]), torch.tensor([[-1, 0, 0, 1]])
+    tok_b, par_b = torch.tensor([[7, 5, 3, 9]]), torch.tensor([[-1, 0, 0, 2]])
+    logits_a = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(5))
+    logits_b = logits_a[:, [0, 2, 1, 3]].clone()
+    logits_b[0, 3, 4] += 0.5  # node path (7, 3, 9): differs by 0.5
+    pos = torch.tensor([10, 11, 11, 12])
+    for name, tok, par, lg in (("fused", tok_a, par_a, logits_a), ("sglang", tok_b, par_b, logits_b)):
+        torch.save({"input_ids": tok.view(-1), "positions": pos, "tokens": tok, "parents": par, "logits": lg,
+                    "graph": True}, tmp_path / f"dump-{name}.0.pt")
+    (row,) = bench.compare_dumps(tmp_path)
+    assert row["same_inputs"] and row["rows"] == 4
+    assert abs(row["max_abs"] - 0.5) < 1e-6
+    # a swapped-but-unmatched order (compared row by row) would have seen differences far above 0.5
+    assert float((logits_a - logits_b).abs().max()) > 0.5

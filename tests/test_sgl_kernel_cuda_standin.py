@@ -202,6 +202,18 @@ def test_import_shims_in_a_fresh_interpreter():
         else:
             raise AssertionError("dual_gemm_swiglu did not raise")
 
+        # DFLASH's sampled verify needs FlashInfer's headers: declared unavailable without flashinfer (on
+        # CPU SGLang already says False, so set it True first to see the patch act; flashinfer counts as
+        # missing here whether or not this machine has its package)
+        import sitecustomize
+        import sglang.srt.speculative.dflash_utils as du
+        sitecustomize._importable_elsewhere = lambda name: name != "flashinfer"
+        assert type(sys.meta_path[1]).PATCHES["sglang.srt.speculative.dflash_utils"] is (
+            sitecustomize._dflash_sampling_without_flashinfer)
+        du._DFLASH_SAMPLING_VERIFY_AVAILABLE = True
+        sitecustomize._dflash_sampling_without_flashinfer(du)
+        assert du.is_dflash_sampling_verify_available() is False
+
         assert "kdtree.cuda.standin" in importlib.metadata.version("sglang-kernel")
         import sgl_kernel
         assert "kdtree.cuda.standin" in sgl_kernel.__version__

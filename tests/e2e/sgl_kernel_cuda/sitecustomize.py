@@ -15,6 +15,11 @@ metadata on CUDA, ``entrypoints/engine.py:_set_envs_and_config``), it registers:
   its ``top_k_renorm_prob`` / ``top_p_renorm_prob`` (lazy FlashInfer imports that would fail on first
   call) are pointed at SGLang's own Triton kernels (``sglang.kernels.ops.sampling.renorm_triton``, what
   SGLang uses on ROCm). Used by DFLASH's / EAGLE's sampled verify, not by greedy decoding.
+* After ``sglang.srt.speculative.dflash_utils`` imports without FlashInfer, its
+  ``_DFLASH_SAMPLING_VERIFY_AVAILABLE`` is set False: DFLASH's startup rehearsal of its sampled verify
+  (``DFlashWorkerV2.prewarm_sampling``) JIT-compiles ``tree_speculative_sampling_target_only`` against
+  FlashInfer's headers, which the GPU machine lacks. DFLASH then rehearses the model runner's sampling
+  instead, and serves greedy requests as before (``benchmarks/bench_server.py`` sends only greedy ones).
 """
 
 from __future__ import annotations
@@ -69,11 +74,20 @@ def _renorm_without_flashinfer(module) -> None:
     module.top_p_renorm_prob = renorm_triton.top_p_renorm_probs_triton
 
 
+def _dflash_sampling_without_flashinfer(module) -> None:
+    if _importable_elsewhere("flashinfer"):
+        return
+    if not hasattr(module, "_DFLASH_SAMPLING_VERIFY_AVAILABLE"):
+        return  # SGLang changed: leave it alone
+    module._DFLASH_SAMPLING_VERIFY_AVAILABLE = False
+
+
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
     """Runs a patch right after the named module's own code, before anyone imports names from it."""
 
     PATCHES = {
         "sglang.kernels.ops.sampling.renorm": _renorm_without_flashinfer,
+        "sglang.srt.speculative.dflash_utils": _dflash_sampling_without_flashinfer,
     }
 
     def find_spec(self, fullname, path=None, target=None):
