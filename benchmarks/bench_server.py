@@ -140,6 +140,10 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
             if rounds:
                 split = {p: statistics.median(r["ms"][p] for r in rounds) for p in PHASES}
                 split["bookkeeping"] = split["tree"] + split["accept_commit"]
+                with_steps = [r["steps"] for r in rounds if "steps" in r]
+                if with_steps:  # per step, device timeline and host clock (KDTreeWorker's _RoundMarks.detail)
+                    row["steps_ms"] = {clock: {n: statistics.median(s[clock][n] for s in with_steps)
+                                               for n in with_steps[0][clock]} for clock in ("ms", "host_ms")}
                 row.update(split_ms=split, rounds=len(rounds),
                            graph_rounds=sum(bool(r.get("graph")) for r in rounds),
                            mla_launches=rounds[-1].get("mla_launches"), marlin_routed=rounds[-1].get("marlin_routed"))
@@ -218,6 +222,14 @@ def format_table(table: dict, depths: int, vocab: int) -> str:
             floor = f"{bookkeeping_floor_ms(int(bs), depths, vocab):.4f}" if s else ""
             lines.append(f"| {bs} | {kind} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
                          f"{r['accept_len']:.2f} | " + " | ".join(cells) + f" | {floor} |")
+    steps = [(bs, kind, r["steps_ms"]) for bs, rows in table.items() for kind, r in rows.items() if "steps_ms" in r]
+    if steps:
+        names = list(steps[0][2]["ms"])
+        lines += ["", "per step, median ms: device timeline / host clock", "| bs | server | " + " | ".join(names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for bs, kind, st in steps:
+            lines.append(f"| {bs} | {kind} | " + " | ".join(
+                f"{st['ms'].get(n, 0):.3f} / {st['host_ms'].get(n, 0):.3f}" for n in names) + " |")
     return "\n".join(lines)
 
 

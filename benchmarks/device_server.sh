@@ -17,7 +17,10 @@
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KIMI=1 (build the Kimi-shaped target into
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
-#   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded).
+#   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
+#   unit tests, -m "gpu and not slow"), ALL_GPUS=1 (the tests / probe see every GPU: TP 2), BENCH_AFTER=1 (the
+#   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it).
+# One slimmed carry for all of it: `python benchmarks/device_carry.py`, then carry=[".dev-carry"].
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
@@ -87,19 +90,27 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gp
 git rev-parse HEAD > "$LOGS/commit.txt" 2>/dev/null
 export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
-# leave ~25 s for copying logs and printing the table
-TEST_CAP=$(( $(left) - 25 ))
+# leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)
+TEST_CAP=$(( $(left) - 25 - ${BENCH_AFTER_S:-0} ))
 export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
-if [ -n "${BENCH:-}" ]; then
-  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target, beside the tests: on the second GPU when
-  # there is one (the tests' servers stay on the first), else on the same GPU (timings then share it)
+run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target
+  CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
+    --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench"
+}
+if [ -n "${UNIT:-}" ]; then
+  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the MLA launch counter) first, alone
+  step unit 150 python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" tests/gpu
+fi
+if [ -n "${BENCH:-}" ] && [ -z "${BENCH_AFTER:-}" ]; then
+  # beside the tests: on the second GPU when there is one (the tests' servers stay on the first), else on the
+  # same GPU (timings then share it)
   BENCH_GPU=0; [ "$NGPU" -ge 2 ] && BENCH_GPU=1
-  ( CUDA_VISIBLE_DEVICES=$BENCH_GPU step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
-      --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" ) &
+  ( run_bench $BENCH_GPU ) &
   BENCH_PID=$!
 fi
-[ "$NGPU" -ge 2 ] && export CUDA_VISIBLE_DEVICES=0
+# ALL_GPUS=1 leaves every GPU to the tests / probe (TP 2: PROBE="--models kimi --tp 2 ...")
+[ "$NGPU" -ge 2 ] && [ -z "${ALL_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=0
 if [ -n "${PROBE:-}" ]; then
   # shellcheck disable=SC2086
   step probe "$TEST_CAP" python3 tests/e2e/cuda_servers.py $PROBE --out "$KDTREE_SERVER_LOGS"
@@ -111,6 +122,8 @@ fi
 
 [ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
 unset CUDA_VISIBLE_DEVICES
+# BENCH_AFTER=1: the bench after the tests, alone on GPU 0 (when the tests need every GPU)
+[ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
 
 # bring SGLang's JIT modules back (carry them as .jitcache-server next time) when they are small enough
 tar -czf /tmp/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR" . 2>/dev/null
@@ -127,7 +140,8 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
   e=$(grep -m1 -E "Error|error:|Traceback|NotImplementedError" "$f" | cut -c1-160)
   [ -n "$e" ] && echo "$(basename "$f"): $e"
 done
-[ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed" "$LOGS/bench.log" | head -40; }
+[ -f "$LOGS/unit.log" ] && { echo "== unit"; grep -E "^(FAILED|ERROR)" "$LOGS/unit.log" | head; tail -1 "$LOGS/unit.log"; }
+[ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed|per step" "$LOGS/bench.log" | head -60; }
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
 [ -f "$LOGS/probe.log" ] && [ ! -f "$KDTREE_SERVER_LOGS/table.txt" ] && tail -30 "$LOGS/probe.log"

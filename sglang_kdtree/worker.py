@@ -345,7 +345,8 @@ class KDTreeWorker(DFlashWorkerV2):
           counter, so launches inside graph replays count); ``marlin_routed``: routed Marlin MoE calls (eager
           calls plus captures);
         * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
-          verify inputs), ``verify`` (target forward), ``accept_commit`` (accept, KV commit, drafter features).
+          verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept,
+          KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock.
         """
         accepted = acc.accepted.to("cpu")
         first_child = verify.retrieve_next_token.to("cpu")
@@ -355,7 +356,7 @@ class KDTreeWorker(DFlashWorkerV2):
             path = accepted[b, :tau].tolist()
             siblings.append(sum(int(first_child[b, p]) != c for p, c in zip(path, path[1:])))
         record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
-                  "backend": self.backend.name, "graph": bool(graph), "ms": marks.split()}
+                  "backend": self.backend.name, "graph": bool(graph), "ms": marks.split(), "steps": marks.detail()}
         if self.backend.name == "gpu":
             from sglang_kdtree.gpu import mla_attention
 
@@ -445,10 +446,13 @@ class KDTreeWorker(DFlashWorkerV2):
         marks.mark("draft")
         faults = self._test_faults(batch) if self._test_faults_path is not None else None
         logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
+        marks.mark("topk")
         trees = self.backend.build(logprobs, ids, self.budget, draft_input.bonus_tokens.to(torch.int64))
+        marks.mark("build")
 
         # 4: verify input into the N reserved slots after the committed prefix
         verify = self.backend.verify_inputs(trees, prefix_lens, seq_lens_sum=int(prefix_cpu.sum()))
+        marks.mark("verify_inputs")
         verify_slots = self._gather_slots(batch, prefix_lens, width)
         seq_lens_cpu_verify = prefix_cpu + width
         plan = self.target_worker.model_runner.kv_index_translator.plan(
@@ -469,7 +473,7 @@ class KDTreeWorker(DFlashWorkerV2):
         batch.seq_lens_sum = int(seq_lens_cpu_verify.sum())
         verify_fb, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved_cpu, saved_sum
-        marks.mark("tree")
+        marks.mark("prepare")
 
         # 5: target verify
         target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
@@ -496,6 +500,7 @@ class KDTreeWorker(DFlashWorkerV2):
                                               prefix_lens, self.depths, top_ks=_per_request(sampling.top_ks),
                                               top_ps=_per_request(sampling.top_ps))
         accept_lens = acc.accept_lens.to(torch.int64)
+        marks.mark("accept")
         new_seq_lens = prefix_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -503,6 +508,7 @@ class KDTreeWorker(DFlashWorkerV2):
         # 7: KV commit: the accepted path to the slots of positions P..P+tau-1 (read all, then write)
         commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)
         self.backend.commit_kv(self.target_worker.model_runner.token_to_kv_pool, commit)
+        marks.mark("commit")
 
         # 8: drafter features from the accepted rows, written at chain positions P..P+tau-1
         hidden = logits_output.hidden_states
@@ -518,6 +524,7 @@ class KDTreeWorker(DFlashWorkerV2):
             positions=chain_positions.reshape(-1), commit_lens=accept_lens.to(torch.int32),
         )
         logits_output.hidden_states = None
+        marks.mark("features")
 
         # 9: the V2 result: stride-N token rows whose first tau entries are committed
         out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
@@ -548,7 +555,16 @@ def _per_request(values):
 
 class _RoundMarks:
     """Phase boundaries of one round for the round log: CUDA events on a GPU (read after the round's end),
-    the host clock on CPU; does nothing unless the round log is on."""
+    the host clock on CPU; does nothing unless the round log is on.
+
+    ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (``topk``,
+    ``build``, ``verify_inputs`` and SGLang's verify ``prepare`` make ``tree``; ``accept``, ``commit``,
+    ``features`` and the result's own mark make ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
+    and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
+    close to its device time is bound by the host)."""
+
+    PHASE_OF = {"topk": "tree", "build": "tree", "verify_inputs": "tree", "prepare": "tree",
+                "accept": "accept_commit", "commit": "accept_commit", "features": "accept_commit"}
 
     def __init__(self, device, enabled: bool):
         import time
@@ -556,7 +572,7 @@ class _RoundMarks:
         self._cuda = enabled and torch.device(device).type == "cuda"
         self._enabled = enabled
         self._clock = time.perf_counter
-        self._marks = [("start", self._now())] if enabled else []
+        self._marks = [("start", self._now(), self._clock())] if enabled else []
 
     def _now(self):
         if self._cuda:
@@ -567,15 +583,29 @@ class _RoundMarks:
 
     def mark(self, name: str) -> None:
         if self._enabled:
-            self._marks.append((name, self._now()))
+            self._marks.append((name, self._now(), self._clock()))
 
-    def split(self) -> dict:
+    def _steps(self) -> list[tuple[str, float, float]]:
+        if len(self._marks) < 2:
+            return []
         if self._cuda:
             self._marks[-1][1].synchronize()
             elapsed = lambda a, b: a.elapsed_time(b)  # noqa: E731
         else:
             elapsed = lambda a, b: (b - a) * 1e3  # noqa: E731
-        return {name: round(elapsed(prev, cur), 4) for (_, prev), (name, cur) in zip(self._marks, self._marks[1:])}
+        return [(name, elapsed(prev, cur), (h1 - h0) * 1e3)
+                for (_, prev, h0), (name, cur, h1) in zip(self._marks, self._marks[1:])]
+
+    def split(self) -> dict:
+        phases: dict = {}
+        for name, ms, _ in self._steps():
+            phase = self.PHASE_OF.get(name, name)
+            phases[phase] = phases.get(phase, 0.0) + ms
+        return {k: round(v, 4) for k, v in phases.items()}
+
+    def detail(self) -> dict:
+        steps = self._steps()
+        return {"ms": {n: round(ms, 4) for n, ms, _ in steps}, "host_ms": {n: round(h, 4) for n, _, h in steps}}
 
 
 def rehearse_round(backend, bs: int, budget: int, depth: int, vocab: int, device, hidden_size: int = 8,

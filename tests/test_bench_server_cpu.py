@@ -22,7 +22,8 @@ def _load():
 
 def test_each_kind_gets_its_own_algorithm_and_the_same_drafter(tmp_path):
     bench = _load()
-    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={})
+    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
+                                    tp=1)
     kd = bench._args_for("kdtree", variant, 1234, budget=64)
     assert kd[kd.index("--speculative-algorithm") + 1] == "kdtree"
     assert kd[kd.index("--speculative-num-draft-tokens") + 1] == "65"

@@ -254,6 +254,10 @@ def test_harness_prompts_and_server_args(cs, tmp_path):
     assert spec[spec.index("--speculative-algorithm") + 1] == "kdtree"
     assert spec[spec.index("--speculative-num-draft-tokens") + 1] == "17"
     assert spec[spec.index("--speculative-draft-model-path") + 1] == str(tmp_path / "d")
+    assert "--tp-size" not in spec
+    tp2 = cs.server_args(cs.Variant("kimi", tmp_path / "t", tmp_path / "d", "bfloat16", tp=2), 1, kdtree=True,
+                         cuda_graph=True)
+    assert tp2[tp2.index("--tp-size") + 1] == "2"
     env = cs.server_env({"KDTREE_ROUND_LOG": "x"})
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(STANDIN) and env["KDTREE_ROUND_LOG"] == "x"
 

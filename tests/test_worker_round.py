@@ -161,7 +161,25 @@ def test_round_marks_split_in_order_and_off_by_default():
     assert all(v >= 0 for v in split.values())
     off = _RoundMarks("cpu", enabled=False)
     off.mark("draft")
-    assert off.split() == {}
+    assert off.split() == {} and off.detail() == {"ms": {}, "host_ms": {}}
+
+
+def test_round_marks_sum_steps_into_their_phases():
+    import time
+
+    marks = _RoundMarks("cpu", enabled=True)
+    steps = ("draft", "topk", "build", "verify_inputs", "prepare", "verify", "accept", "commit", "features",
+             "accept_commit")
+    for name in steps:
+        time.sleep(0.001)
+        marks.mark(name)
+    split, detail = marks.split(), marks.detail()
+    assert list(split) == ["draft", "tree", "verify", "accept_commit"]
+    assert list(detail["ms"]) == list(steps) == list(detail["host_ms"])
+    ms = detail["ms"]
+    assert abs(split["tree"] - (ms["topk"] + ms["build"] + ms["verify_inputs"] + ms["prepare"])) < 1e-3
+    assert abs(split["accept_commit"] - (ms["accept"] + ms["commit"] + ms["features"] + ms["accept_commit"])) < 1e-3
+    assert all(v >= 0.9 for v in ms.values())  # each step slept 1 ms on the host clock (CPU marks)
 
 
 def test_startup_rehearsal_runs_the_rounds_steps_on_either_backend():

@@ -30,6 +30,7 @@ variants ``kimi`` and ``kimi-marlin`` exist only when it is set), ``KDTREE_CUDA_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -68,6 +69,7 @@ class Variant:
     drafter: Path
     dtype: str
     env: dict = field(default_factory=dict)
+    tp: int = 1  # --tp-size (the Kimi-shaped target at TP 2 splits its 8 heads and its vocabulary in two)
 
 
 def tiny_models_dir() -> Path:
@@ -133,6 +135,8 @@ def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) 
         "--skip-server-warmup",
         "--log-level", "info",
     ]
+    if variant.tp > 1:
+        args += ["--tp-size", str(variant.tp)]
     if cuda_graph:
         args += ["--cuda-graph-max-bs-decode", str(max(DECODE_GRAPH_BS)),
                  "--cuda-graph-bs-decode", *map(str, DECODE_GRAPH_BS),
@@ -361,12 +365,15 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="llama,dsv3")
     parser.add_argument("--modes", default="graph", help="comma list of graph, eager")
     parser.add_argument("--dtypes", default="float32", help="comma list; the Kimi variants are always bf16")
+    parser.add_argument("--tp", type=int, default=1, help="--tp-size of every server (variant names get -tpN)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     chosen = []
     for dtype in args.dtypes.split(","):
         table = variants(dtype)
         chosen += [table[m] for m in args.models.split(",") if m in table]
+    if args.tp > 1:
+        chosen = [dataclasses.replace(v, name=f"{v.name}-tp{args.tp}", tp=args.tp) for v in chosen]
     # the bf16 Kimi variants appear once whatever --dtypes says
     chosen = list({(v.name, v.dtype): v for v in chosen}.values())
     modes = [{"graph": True, "eager": False}[m] for m in args.modes.split(",")]
