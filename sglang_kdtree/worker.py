@@ -60,6 +60,7 @@ ROUND_LOG_ENV = "KDTREE_ROUND_LOG"
 #: first ``DUMP_COLUMNS`` columns of the target's verify logits for its first ``DUMP_ROUNDS`` decode rounds (the
 #: CUDA server test compares the fused MLA kernel's logits against SGLang's attention path with it).
 DUMP_ENV = "KDTREE_DUMP_VERIFY"
+TREE_GRAPH_ENV = "SGLANG_KDTREE_TREE_GRAPH"
 DUMP_ROUNDS = 4
 DUMP_COLUMNS = 2048
 
@@ -135,8 +136,13 @@ class KDTreeWorker(DFlashWorkerV2):
         self._dump_prefix = os.environ.get(DUMP_ENV) or None
         self._test_faults_path = os.environ.get(TEST_FAULTS_ENV) or None
         self._dumped = 0
-        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend",
-                    self.budget, self.verify_width, block_size, self.backend.name)
+        # the GPU tree step (head GEMM -> top-K -> tree) replays a CUDA graph per batch size unless CUDA graphs
+        # are off for the server or SGLANG_KDTREE_TREE_GRAPH=off
+        self._tree_graphs = (not getattr(server_args, "disable_cuda_graph", False)
+                             and os.environ.get(TREE_GRAPH_ENV, "on") != "off")
+        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, tree-step graphs %s",
+                    self.budget, self.verify_width, block_size, self.backend.name,
+                    "on" if self._tree_graphs and self.backend.name == "gpu" else "off")
 
     @staticmethod
     @contextmanager
@@ -361,6 +367,7 @@ class KDTreeWorker(DFlashWorkerV2):
             from sglang_kdtree.gpu import mla_attention
 
             record["mla_launches"] = mla_attention.launch_count(self.device)
+            record["tree_graph_replays"] = self.backend._tree_graphs.replays
         try:
             from sglang_kdtree.patches import marlin_moe
         except ImportError:  # pragma: no cover - patches ship with the package
@@ -445,9 +452,21 @@ class KDTreeWorker(DFlashWorkerV2):
         draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
         marks.mark("draft")
         faults = self._test_faults(batch) if self._test_faults_path is not None else None
-        logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
-        marks.mark("topk")
-        trees = self.backend.build(logprobs, ids, self.budget, draft_input.bonus_tokens.to(torch.int64))
+        from sglang.srt.lora.layers import unwrap_lora_layer
+        from sglang.srt.runtime_context import get_parallel
+
+        roots = draft_input.bonus_tokens.to(torch.int64)
+        if faults is None and get_parallel().tp_size == 1:
+            # one rank: head GEMM -> top-K -> tree (on the GPU replayed from a CUDA graph per batch size)
+            lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
+            rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
+            trees, draft_logits = self.backend.tree_step(rows, lm_head.weight, self.vocab_size, self.depths,
+                                                         self.budget, roots, graph=self._tree_graphs)
+            marks.mark("topk")
+        else:
+            logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
+            marks.mark("topk")
+            trees = self.backend.build(logprobs, ids, self.budget, roots)
         marks.mark("build")
 
         # 4: verify input into the N reserved slots after the committed prefix

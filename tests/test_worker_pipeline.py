@@ -127,3 +127,23 @@ def test_reference_accept_sampled_honours_top_k_and_top_p_per_request():
     free = [backend.accept_sampled(trees, target, torch.ones(3), torch.tensor([5, 6, s]), torch.tensor([9, 9, 9]),
                                    4).committed[2, 0].item() for s in range(40)]
     assert len(set(free)) > 1  # the unfiltered request really samples (flat target: many likely tokens)
+
+
+def test_tree_step_is_head_gemm_then_topk_then_tree():
+    """``tree_step`` (the worker's one call for steps 2-3) on the reference backend against numpy: the head GEMM
+    over a padded lm_head cut to the real vocabulary, top-K with K = min(budget, vocab), then the tree."""
+    rng = np.random.default_rng(4)
+    bs, depths, vocab, padded, hidden, budget = 3, 4, 12, 16, 8, 6
+    rows = rng.normal(size=(bs * depths, hidden)).astype(np.float32)
+    weight = rng.normal(size=(padded, hidden)).astype(np.float32)
+    weight[vocab:] = 100.0  # padding rows would win every top-K if they were not cut away
+    roots = rng.integers(0, vocab, size=bs)
+    trees, logits = ReferenceBackend("cpu").tree_step(torch.from_numpy(rows), torch.from_numpy(weight), vocab,
+                                                      depths, budget, torch.from_numpy(roots))
+    expect_logits = (rows.astype(np.float64) @ weight.T.astype(np.float64))[:, :vocab]
+    np.testing.assert_allclose(logits.numpy(), expect_logits, rtol=1e-5, atol=1e-5)
+    ref_lp, ref_ids = reference.topk_logprobs(logits.numpy().reshape(bs, depths, vocab), budget)
+    ref_trees = reference.build_trees(ref_lp, ref_ids, budget, roots)
+    np.testing.assert_array_equal(trees.tokens.numpy(), ref_trees.tokens)
+    np.testing.assert_array_equal(trees.parents.numpy(), ref_trees.parents)
+    assert int(trees.tokens.max()) < vocab

@@ -145,3 +145,40 @@ def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
         if round_no == 3:
             assert now[:5] == addresses[:5], "a round that fits the reserved buffers must not reallocate"
         addresses = now
+
+
+def test_tree_step_graph_replays_equal_the_reference():
+    """The worker's GPU tree step: head GEMM -> top-K -> tree captured in a CUDA graph per batch size and
+    replayed on fresh inputs (batch sizes that shrink, grow past the reservation and come back), into
+    poisoned buffers; every replay equals the reference backend's eager steps on the same bf16 head logits."""
+    cuda = torch.device("cuda")
+    ref = pipeline.ReferenceBackend(torch.device("cpu"))
+    gpu = pipeline.select_backend(cuda)
+    budget, depths, vocab, padded, hidden = 32, 7, 5003, 5120, 64
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn((padded, hidden), generator=gen) / 4).to(torch.bfloat16)
+    weight[vocab:] = 50.0  # the padded head rows must never become candidates
+    weight_g = weight.to(cuda)
+    replays = 0
+    for bs in (4, 2, 4, 9, 2, 9):
+        gpu.reserve(bs, budget, depths, vocab, mask_bytes=1)
+        _poison_backend(gpu)
+        rows = torch.randn((bs * depths, hidden), generator=gen).to(torch.bfloat16)
+        roots = torch.randint(0, vocab, (bs,), generator=gen)
+        tg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda))
+        assert gpu._tree_graphs.disabled_reason is None, gpu._tree_graphs.disabled_reason
+        replays += 1
+        assert gpu._tree_graphs.replays == replays
+        logits = lg.cpu()  # the GPU GEMM's bf16 logits: the reference runs the remaining steps on them
+        assert logits.shape == (bs * depths, vocab)
+        torch.testing.assert_close(logits.double(), (rows.double() @ weight.double().T)[:, :vocab], rtol=0.02,
+                                   atol=0.05)
+        lp_r, id_r = ref.topk(logits.view(bs, depths, vocab), min(budget, vocab))
+        tr = ref.build(lp_r, id_r, budget, roots)
+        for field in TREE_FIELDS:
+            assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), (bs, field)
+    assert int(gpu.tree_errors.item()) == 0
+    # eager (graph off) gives the same trees
+    te, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), graph=False)
+    for field in TREE_FIELDS:
+        assert torch.equal(getattr(te, field).cpu(), getattr(tr, field)), field
