@@ -16,7 +16,11 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
 * ``kdtree-log``: the same with ``KDTREE_ROUND_LOG`` (CUDA events per phase and one extra host read per
   round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
   verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
-  commit, drafter features, result). Bookkeeping = ``tree + accept_commit``.
+  commit, drafter features, result). Per step (``steps`` in the round log), KDTREE's own bookkeeping is
+  ``topk + build + verify_inputs + accept + commit + result`` (draft logits -> verify inputs, accept and
+  commit); ``prepare`` (DFLASH's ``prepare_for_verify``: SGLang's attention metadata for the verify forward)
+  and ``features`` (DFLASH's drafter KV append of the accepted rows) are SGLang code that a DFLASH round runs
+  too, reported beside it (``sglang_side``), not in it.
 
 For each batch size, one warm-up batch, then ``--repeats`` timed batches of ``bs`` concurrent greedy requests
 of ``--new-tokens`` tokens each (``ignore_eos``); per server it reports tokens/s per request (median over
@@ -37,6 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e")
 import cuda_servers  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
+#: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
+#: and the SGLang (DFLASH) steps inside the tree / accept_commit phases
+OWN_STEPS = ("topk", "build", "verify_inputs", "accept", "commit", "accept_commit")
+SGLANG_STEPS = ("prepare", "features")
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12
 #: the fused MLA kernel's verify logits vs SGLang's, relative to the largest |logit|: both run bf16 matmuls
@@ -144,6 +152,10 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
                 if with_steps:  # per step, device timeline and host clock (KDTreeWorker's _RoundMarks.detail)
                     row["steps_ms"] = {clock: {n: statistics.median(s[clock][n] for s in with_steps)
                                                for n in with_steps[0][clock]} for clock in ("ms", "host_ms")}
+                    split["bookkeeping"] = statistics.median(
+                        sum(s["ms"].get(n, 0.0) for n in OWN_STEPS) for s in with_steps)
+                    split["sglang_side"] = statistics.median(
+                        sum(s["ms"].get(n, 0.0) for n in SGLANG_STEPS) for s in with_steps)
                 row.update(split_ms=split, rounds=len(rounds),
                            graph_rounds=sum(bool(r.get("graph")) for r in rounds),
                            mla_launches=rounds[-1].get("mla_launches"), marlin_routed=rounds[-1].get("marlin_routed"))
@@ -214,11 +226,13 @@ def compare_dumps(out: Path) -> list[dict]:
 
 def format_table(table: dict, depths: int, vocab: int) -> str:
     lines = ["| bs | server | tok/s per request | tok/s total | accept len | draft ms | tree ms | verify ms | "
-             "accept+commit ms | bookkeeping ms | bookkeeping floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "accept+commit ms | bookkeeping ms | SGLang prep + drafter feed ms | bookkeeping floor ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for bs, rows in table.items():
         for kind, r in rows.items():
             s = r.get("split_ms")
-            cells = [f"{s[p]:.3f}" for p in (*PHASES, "bookkeeping")] if s else [""] * 5
+            cells = ([f"{s[p]:.3f}" for p in (*PHASES, "bookkeeping")] + [
+                f"{s['sglang_side']:.3f}" if "sglang_side" in s else ""]) if s else [""] * 6
             floor = f"{bookkeeping_floor_ms(int(bs), depths, vocab):.4f}" if s else ""
             lines.append(f"| {bs} | {kind} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
                          f"{r['accept_len']:.2f} | " + " | ".join(cells) + f" | {floor} |")

@@ -100,7 +100,9 @@ run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped ta
 }
 if [ -n "${UNIT:-}" ]; then
   # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the MLA launch counter) first, alone
-  step unit 150 python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" tests/gpu
+  # (the stand-in on the path: the Marlin tests import SGLang's quantization package, which imports sgl_kernel)
+  step unit 150 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+    python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" tests/gpu
 fi
 if [ -n "${BENCH:-}" ] && [ -z "${BENCH_AFTER:-}" ]; then
   # beside the tests: on the second GPU when there is one (the tests' servers stay on the first), else on the
