@@ -497,7 +497,6 @@ class _TreeStepGraphs:
         self._logits = None
         self._rows = None
         self._roots = None
-        self._pool = None
         self.disabled_reason: str | None = None
         self.replays = 0
 
@@ -551,10 +550,10 @@ class _TreeStepGraphs:
         with torch.cuda.stream(side):
             self._body(*args)  # warm-up: compiles and loads every kernel outside the capture
         torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # its own private memory pool (the body writes only into buffers allocated outside the capture); a
+        # shared graph_pool_handle() tripped an allocator assert in the H200 test process
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._body(*args)
         return graph
 

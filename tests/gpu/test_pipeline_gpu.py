@@ -147,7 +147,7 @@ def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
         addresses = now
 
 
-def test_tree_step_graph_replays_equal_the_reference():
+def _tree_step_graph_check():
     """The worker's GPU tree step: head GEMM -> top-K -> tree captured in a CUDA graph per batch size and
     replayed on fresh inputs (batch sizes that shrink, grow past the reservation and come back), into
     poisoned buffers; every replay equals the reference backend's eager steps on the same bf16 head logits."""
@@ -182,3 +182,18 @@ def test_tree_step_graph_replays_equal_the_reference():
     te, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), graph=False)
     for field in TREE_FIELDS:
         assert torch.equal(getattr(te, field).cpu(), getattr(tr, field)), field
+    print("TREE-STEP-GRAPH-OK", gpu._tree_graphs.replays)
+
+
+def test_tree_step_graph_replays_equal_the_reference():
+    """``_tree_step_graph_check`` in a fresh interpreter: a CUDA-graph capture that fails inside torch can leave
+    the process's CUDA generator in capture state and break every later test, so it gets its own process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    code = f"import runpy; runpy.run_path({str(here)!r})['_tree_step_graph_check']()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(here.parents[2]), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "TREE-STEP-GRAPH-OK 6" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
