@@ -4,12 +4,13 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 ``sglang.srt.speculative.dflash_utils.validate_dflash_request`` (the scheduler's admission check for every
 DFLASH-family algorithm; a returned message aborts just that request with it).
 
-Why: the tree round has no logprob output, no grammar-constrained walk and, at T > 0, samples from
-``softmax(logits / T)`` only. Without this check such a request would reach the worker, whose ``ValueError``
-would stop the scheduler for every request, or be served a different distribution than it asked for. Under
-KDTREE a request is aborted at admission with a message naming the field when it asks for
+Why: the tree round has no grammar-constrained walk and, at T > 0, samples from ``softmax(logits / T)``
+only (logprobs are served: ``sglang_kdtree/spec_logprobs.py``). Without this check such a request would
+reach the worker, whose ``ValueError`` would stop the scheduler for every request, or be served a different
+distribution than it asked for. Under KDTREE a request is aborted at admission with a message naming the
+field when it asks for
 
-* ``return_logprob`` or a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
+* a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
 * at T > 0, a sampling filter or penalty the tree accept does not apply: ``min_p > 0``,
   ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty`` other than 1 (greedy
   requests are unaffected: a filter cannot change the argmax; top-k and top-p are applied by the accept);
@@ -44,8 +45,6 @@ def _sampling_error(params) -> str | None:
 
 def kdtree_request_error(req, vocab_size: int | None = None) -> str | None:
     """The reason KDTREE cannot serve ``req``, or None."""
-    if getattr(req, "return_logprob", False):
-        return "KDTREE speculative decoding does not return logprobs yet; drop return_logprob"
     params = getattr(req, "sampling_params", None)
     for field in GRAMMAR_FIELDS:
         if getattr(params, field, None):

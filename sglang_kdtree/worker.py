@@ -43,6 +43,7 @@ import torch
 
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.pipeline import bookkeeping_round, select_backend, vocab_parallel_topk
+from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs, round_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,6 @@ class KDTreeWorker(DFlashWorkerV2):
             return result
         if batch.has_grammar:
             raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
-        if batch.return_logprob:
-            raise ValueError("KDTREE does not return logprobs yet; drop return_logprob")
         return self._tree_round(batch, on_publish)
 
     def _request_seeds(self, batch) -> tuple[torch.Tensor, list[bool]]:
@@ -260,6 +259,7 @@ class KDTreeWorker(DFlashWorkerV2):
                                            batch.seq_lens[index], None if top_ks is None else top_ks[index],
                                            None if top_ps is None else top_ps[index])
         result.next_token_ids[index] = drawn.to(result.next_token_ids.dtype)
+        reseed_prefill_logprobs(batch, result.logits_output, logits[index, : self.vocab_size], index, drawn)
         # the next round's root is the draft input's own (int64) copy of the token: it must be the same one
         draft_input = result.next_draft_input
         if draft_input is not None and draft_input.bonus_tokens.data_ptr() != result.next_token_ids.data_ptr():
@@ -549,6 +549,8 @@ class KDTreeWorker(DFlashWorkerV2):
         out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
         committed = acc.committed[:, : min(width, acc.committed.shape[1])]
         out_tokens[:, : committed.shape[1]] = committed.clamp_min(0)
+        # logprobs of the committed tokens from the verify rows of the accepted nodes (return_logprob only)
+        round_logprobs(batch, logits_output, logits, acc.accepted, committed)
         marks.mark("accept_commit")
         self._round_faults(batch, acc, commit, draft_logits)
         if self._round_log is not None:

@@ -209,7 +209,7 @@ def test_graph_replay_copies_the_rounds_ancestor_bits_into_the_static_buffer():
     assert patch.load_batch(lambda self, fb: "plain", other, batch) == "plain"
 
 
-def test_request_validation_refuses_logprobs_and_grammar_only_under_kdtree(monkeypatch):
+def test_request_validation_refuses_grammar_only_under_kdtree_and_serves_logprobs(monkeypatch):
     from sglang_kdtree import worker
     from sglang_kdtree.patches import request_validation as patch
 
@@ -220,10 +220,10 @@ def test_request_validation_refuses_logprobs_and_grammar_only_under_kdtree(monke
     grammar = _Obj(return_logprob=False, sampling_params=_Obj(json_schema="{}", regex=None, ebnf=None,
                                                               structural_tag=None))
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
-    assert patch.validate_dflash_request(original, logprob, False) == "original"
+    assert patch.validate_dflash_request(original, grammar, False) == "original"
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
     assert patch.validate_dflash_request(original, plain, False) == "original"
-    assert "return_logprob" in patch.validate_dflash_request(original, logprob, False)
+    assert patch.validate_dflash_request(original, logprob, False) == "original"  # served (spec_logprobs)
     assert "json_schema" in patch.validate_dflash_request(original, grammar, False)
 
 

@@ -295,3 +295,87 @@ def test_top_p_and_top_k_filter_the_tree_accept(kdtree_server, greedy_results, p
     got = _concurrent(kdtree_server, [{"input_ids": p, "sampling_params": {"max_new_tokens": NEW_TOKENS, **params}}
                                       for p in PROMPTS])
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in plain]
+
+
+#: Logprob tolerance, KDTREE vs the plain server (fp32 on CPU): both take log-softmax of the same target's
+#: logits at the same positions, but KDTREE's come from one verify forward over the whole tree (a masked
+#: attention over N rows, other GEMM shapes) and the plain server's from one-token decodes, so the logits
+#: differ in the last float32 bits; 1e-4 absolute is ~100x what the tiny targets measure.
+LOGPROB_ATOL = 1e-4
+
+
+def _logprob_params(**params) -> dict:
+    return {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [0, 5, tiny.EOS_ID], **params}
+
+
+def _assert_top_close(got, want, where):
+    """``[[logprob, id, text], ...]`` lists: values within the tolerance; the same ids except within a near-tie
+    (an id may swap places only with one whose logprob is within the tolerance)."""
+    assert len(got) == len(want), where
+    for (lp_a, id_a, _), (lp_b, id_b, _) in zip(got, want):
+        assert abs(lp_a - lp_b) <= LOGPROB_ATOL, (where, got, want)
+        if id_a != id_b:
+            tied = {i for lp, i, _ in want if abs(lp - lp_a) <= 2 * LOGPROB_ATOL}
+            assert id_a in tied, (where, got, want)
+
+
+def test_greedy_logprobs_match_the_plain_server(plain_server, kdtree_server):
+    """return_logprob with top_logprobs_num 3, token_ids_logprob and input logprobs (logprob_start_len 0) on
+    concurrent greedy requests: the same tokens, and every reported logprob within LOGPROB_ATOL of the plain
+    server's (output logprobs come from the tree verify rows of the accepted nodes, input ones from prefill)."""
+    prompts = PROMPTS[:8]
+    payloads = [dict(_greedy(p), **_logprob_params(logprob_start_len=0)) for p in prompts]
+    plain, spec = _concurrent(plain_server, payloads), _concurrent(kdtree_server, payloads)
+    worst = 0.0
+    for prompt, a, b in zip(prompts, plain, spec):
+        assert b["output_ids"] == a["output_ids"], f"prompt {prompt}"
+        ma, mb = a["meta_info"], b["meta_info"]
+        assert mb["spec_verify_ct"] < mb["completion_tokens"], "no multi-token round: nothing from inner nodes"
+        assert len(mb["output_token_logprobs"]) == len(b["output_ids"]) == NEW_TOKENS
+        for j, ((lp_a, id_a, _), (lp_b, id_b, _)) in enumerate(zip(ma["output_token_logprobs"],
+                                                                   mb["output_token_logprobs"])):
+            assert id_b == id_a == b["output_ids"][j]
+            assert abs(lp_b - lp_a) <= LOGPROB_ATOL, (prompt, j, lp_a, lp_b)
+            worst = max(worst, abs(lp_b - lp_a))
+        for field in ("output_top_logprobs", "output_token_ids_logprobs"):
+            assert len(mb[field]) == NEW_TOKENS
+            for j, (got, want) in enumerate(zip(mb[field], ma[field])):
+                _assert_top_close(got, want, (field, prompt, j))
+        assert [i for _, i, _ in mb["output_token_ids_logprobs"][0]] == [0, 5, tiny.EOS_ID]
+        # input logprobs: SGLang's prefill (DFLASH's), one per prompt token, the first without a value
+        assert len(mb["input_token_logprobs"]) == len(prompt)
+        for (lp_a, id_a, _), (lp_b, id_b, _) in zip(ma["input_token_logprobs"], mb["input_token_logprobs"]):
+            assert id_a == id_b and (lp_a is None) == (lp_b is None)
+            assert lp_a is None or abs(lp_b - lp_a) <= LOGPROB_ATOL
+        for field in ("input_top_logprobs", "input_token_ids_logprobs"):
+            for j, (got, want) in enumerate(zip(mb[field], ma[field])):
+                if want is None or not want:
+                    assert got == want
+                else:
+                    _assert_top_close(got, want, (field, prompt, j))
+    print(f"\n{kdtree_server.model_name}: greedy output logprobs, max |kdtree - plain| = {worst:.2e}")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_what_the_plain_server_reports(plain_server, kdtree_server, temperature):
+    """A seeded sampled request with logprobs: each output token's reported logprob (and the top-3) equal what
+    the plain server reports for that token at that position and temperature, i.e. log_softmax(logits / T) of
+    the target (SGLang's rule; unfiltered). The plain server is asked once per position, for that token
+    (token_ids_logprob) as its next token. The first token is the worker's seeded redraw of the prefill's."""
+    prompt, new = PROMPTS[6], 12
+    spec = kdtree_server.generate({"input_ids": prompt, **_logprob_params(), "sampling_params": {
+        "max_new_tokens": new, "temperature": temperature, "sampling_seed": 4321, "ignore_eos": True}})
+    out, meta = spec["output_ids"], spec["meta_info"]
+    assert len(out) == new and meta["spec_verify_ct"] < new
+    probes = [{"input_ids": prompt + out[:j], "return_logprob": True, "top_logprobs_num": 3,
+               "token_ids_logprob": [out[j]],
+               "sampling_params": {"max_new_tokens": 1, "temperature": temperature}} for j in range(new)]
+    worst = 0.0
+    for j, probe in enumerate(_concurrent(plain_server, probes)):
+        (want, token, _), = probe["meta_info"]["output_token_ids_logprobs"][0]
+        got, got_token, _ = meta["output_token_logprobs"][j]
+        assert got_token == token == out[j]
+        assert abs(got - want) <= LOGPROB_ATOL, (j, got, want)
+        worst = max(worst, abs(got - want))
+        _assert_top_close(meta["output_top_logprobs"][j], probe["meta_info"]["output_top_logprobs"][0], j)
+    print(f"\n{kdtree_server.model_name}: T={temperature} output logprobs, max |kdtree - plain| = {worst:.2e}")
