@@ -43,7 +43,7 @@ import cuda_servers  # noqa: E402
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
 #: and the SGLang (DFLASH) steps inside the tree / accept_commit phases
-OWN_STEPS = ("topk", "build", "verify_inputs", "accept", "commit", "accept_commit")
+OWN_STEPS = ("tree_step", "topk", "build", "verify_inputs", "accept_commit_kv", "accept", "commit", "accept_commit")
 SGLANG_STEPS = ("prepare", "features")
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12
@@ -238,7 +238,7 @@ def format_table(table: dict, depths: int, vocab: int) -> str:
                          f"{r['accept_len']:.2f} | " + " | ".join(cells) + f" | {floor} |")
     steps = [(bs, kind, r["steps_ms"]) for bs, rows in table.items() for kind, r in rows.items() if "steps_ms" in r]
     if steps:
-        names = list(steps[0][2]["ms"])
+        names = list(dict.fromkeys(n for _, _, st in steps for n in st["ms"]))
         lines += ["", "per step, median ms: device timeline / host clock", "| bs | server | " + " | ".join(names) + " |",
                   "|---|---|" + "---|" * len(names)]
         for bs, kind, st in steps:

@@ -10,9 +10,11 @@ Both take and return torch tensors on the worker's device with the same shapes a
   tensor-parallel halves (``vocab_parallel_topk`` moves only ``S*K`` candidates + one lse per row);
 * ``build(logprobs, ids, budget, roots [bs])`` -> a tree batch (``tokens/depths/parents [bs, N]``,
   ``num_nodes [bs]``);
-* ``tree_step(rows [bs*L, D], lm_head weight, vocab, depth, budget, roots)`` -> ``(trees, draft logits)``: the
-  head GEMM, ``topk`` and ``build`` in one call (the GPU backend replays them from a CUDA graph per batch
-  size inside a reservation);
+* ``tree_step(rows [bs*L, D], lm_head weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)`` ->
+  ``(trees, verify, draft logits)``: the head GEMM, ``topk``, ``build`` and ``verify_inputs`` in one call;
+  ``accept_commit_greedy(trees, logits, depth, verify_slots, pool, hidden, width)`` -> ``(accept, plan,
+  hidden rows)``: ``accept_greedy``, ``commit_plan``, ``commit_kv``, ``gather_hidden`` in one call (the GPU
+  backend replays both from CUDA graphs, ``gpu.round_graphs``);
 * ``verify_inputs(trees, seq_lens [bs], seq_lens_sum)`` -> ``input_ids/positions [bs*N]``, ``full_mask``
   (SGLang FULL_MASK), ``ancestor_bits``, ``retrieve_*``;
 * ``accept_greedy(trees, logits [bs, N, V], max_depth)`` / ``accept_sampled(..., temperatures, seeds,
@@ -154,9 +156,15 @@ class ReferenceBackend:
     def _t(self, a, dtype=None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype=dtype)
 
-    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, graph: bool = True):
-        """Draft head -> top-K -> tree (``GpuBackend.tree_step``'s contract; always eager here)."""
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots)
+    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
+                  graph: bool = True):
+        """Draft head -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``'s contract; eager here)."""
+        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)
+
+    def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
+                             graph: bool = False):
+        """Greedy accept -> commit plan -> KV commit -> accepted hidden rows (the GPU contract; eager here)."""
+        return eager_accept_commit_greedy(self, trees, logits, depth, verify_slots, pool, hidden, width)
 
     def topk(self, logits, k):
         """As ``reference.topk_logprobs``; a request whose draft logits hold NaN / +inf gets NaN log-probs (its
@@ -299,12 +307,23 @@ def bookkeeping_round(backend, draft_logits, budget: int, depth: int, roots, seq
     return trees, verify, acc, plan, backend.gather_hidden(hidden, plan, width)
 
 
-def eager_tree_step(backend, rows, weight, vocab: int, depth: int, budget: int, roots):
-    """``tree_step`` as three calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns, ``topk`` with
-    ``K = min(budget, vocab)``, ``build``. Returns ``(trees, draft logits [bs*L, vocab])``."""
+def eager_tree_step(backend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int):
+    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns, ``topk`` with
+    ``K = min(budget, vocab)``, ``build``, ``verify_inputs``. Returns ``(trees, verify, draft logits
+    [bs*L, vocab])``."""
     logits = torch.matmul(rows, weight.t())[:, :vocab]  # the op the GPU backend's graph captures
     logprobs, ids = backend.topk(logits.unflatten(0, (roots.shape[0], depth)), min(int(budget), int(vocab)))
-    return backend.build(logprobs, ids, budget, roots), logits
+    trees = backend.build(logprobs, ids, budget, roots)
+    return trees, backend.verify_inputs(trees, seq_lens, seq_lens_sum=int(seq_lens_sum)), logits
+
+
+def eager_accept_commit_greedy(backend, trees, logits, depth: int, verify_slots, pool, hidden, width: int):
+    """``accept_commit_greedy`` as four calls: ``accept_greedy``, ``commit_plan``, ``commit_kv``,
+    ``gather_hidden``. Returns ``(accept result, commit plan, accepted hidden rows)``."""
+    acc = backend.accept_greedy(trees, logits, depth)
+    plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), verify_slots)
+    backend.commit_kv(pool, plan)
+    return acc, plan, backend.gather_hidden(hidden, plan, width)
 
 
 def move_kv_with_sglang(pool, plan) -> None:
@@ -349,7 +368,10 @@ class GpuBackend:
         self.tree_errors = topk.new_error_flag(self.device)
         self.commit_errors = errors.new_error_flag(self.device)
         self._kv_tables = {}
-        self._tree_graphs = _TreeStepGraphs(self)
+        from sglang_kdtree.gpu.round_graphs import AcceptCommitGraphs, TreeStepGraphs
+
+        self._tree_graphs = TreeStepGraphs(self)
+        self._commit_graphs = AcceptCommitGraphs(self)
 
     # -- buffers ----------------------------------------------------------------------------------------
 
@@ -407,24 +429,45 @@ class GpuBackend:
         return self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64), out=out,
                                       error_flag=self.tree_errors)
 
-    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, graph: bool = True):
-        """The round's draft head -> top-K -> tree in one call: ``rows`` ``[bs*L, D]`` draft hidden rows (depths
-        1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``, the head's dtype),
-        ``roots`` ``[bs]``. Returns ``(trees, draft logits [bs*L, vocab] view)``.
+    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
+                  graph: bool = True):
+        """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft
+        hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``,
+        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum. Returns ``(trees,
+        verify, draft logits [bs*L, vocab] view)``.
 
-        Within a reservation and with ``graph`` on, the three steps replay one CUDA graph per batch size
-        (``_TreeStepGraphs``: captured at the first round of that size after an eager warm-up), so the host
-        issues one replay instead of a GEMM and three kernel launches with their argument checks; outside a
-        reservation, or if capture fails (logged once), they run eagerly."""
+        Within a reservation and with ``graph`` on, the steps replay one CUDA graph per batch size
+        (``gpu.round_graphs.TreeStepGraphs``); outside a reservation, or once a capture failed, eagerly."""
         if graph and self._reserved_for(roots.shape[0], depth, vocab) is not None:
-            out = self._tree_graphs.run(rows, weight, vocab, depth, min(int(budget), int(vocab)), int(budget), roots)
+            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens.to(torch.int64),
+                                         seq_lens_sum)
             if out is not None:
                 return out
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots)
+        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)
 
-    def build_view(self, bs: int, budget: int):
-        """The reserved builder's trees as ``build`` leaves them for ``bs`` requests of ``budget`` nodes."""
-        return self._tree._slice_tree(self._builder.trees, bs, int(budget) + 1)
+    def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
+                             graph: bool = False):
+        """Greedy accept -> commit plan -> KV commit -> accepted hidden rows; ``(accept result, plan, hidden
+        rows)``. With ``graph`` (the caller's promise that ``logits`` and ``hidden`` are a replayed verify
+        graph's outputs, at fixed addresses) and a compactable pool, replayed from a CUDA graph per key
+        (``gpu.round_graphs.AcceptCommitGraphs``); else eagerly."""
+        if graph and self._reserved_for(trees.tokens.shape[0]) is not None and self._kv_table(pool) is not None:
+            out = self._commit_graphs.step(trees, logits, depth, verify_slots, pool, hidden, width)
+            if out is not None:
+                return out
+        return eager_accept_commit_greedy(self, trees, logits, depth, verify_slots, pool, hidden, width)
+
+    def size_accept_commit(self, trees, depth: int, hidden, width: int) -> None:
+        """Grow the accept, commit-plan and hidden-row storages for this round before a graph capture."""
+        bs, tree_width = trees.tokens.shape
+        m = min(depth + 1, width)
+        self._storage("_accept_storage", self._accept.accept_storage_numel(bs, tree_width, depth))
+        self._storage("_plan_storage", 3 * bs * (depth + 1))
+        self._storage("_hidden_storage", bs * m * hidden.shape[-1], hidden.dtype)
+
+    def storage_addresses(self) -> tuple:
+        return tuple((t.data_ptr(), t.numel()) for t in (self._accept_storage, self._plan_storage,
+                                                         self._hidden_storage))
 
     def verify_inputs(self, trees, seq_lens, seq_lens_sum=None):
         builder = self._reserved_for(trees.tokens.shape[0])
@@ -481,81 +524,6 @@ class GpuBackend:
         out = self._storage("_hidden_storage", rows.numel() * d, hidden.dtype)[: rows.numel() * d]
         return self._compact.gather_hidden(hidden, _PlanRows(rows), errors=self.commit_errors,
                                            out=out.view(bs, rows.shape[1], d))
-
-
-class _TreeStepGraphs:
-    """CUDA graphs of ``GpuBackend.tree_step`` (lm_head GEMM into a grow-only logits buffer -> top-K -> tree
-    into the reserved ``TreeBuilder``), one per batch size, captured on first use after one eager warm-up on
-    a side stream. Static inputs: a rows buffer and a roots buffer (copied in before each replay). The
-    graphs point into the builder's buffers, so a new builder (``reserve`` grew it) drops them all. Nothing
-    here syncs the host; a capture failure disables the graphs for the process (eager rounds are exact too)."""
-
-    def __init__(self, backend):
-        self._backend = backend
-        self._graphs: dict = {}
-        self._builder_id = None
-        self._logits = None
-        self._rows = None
-        self._roots = None
-        self.disabled_reason: str | None = None
-        self.replays = 0
-
-    def _buffers(self, bs: int, depth: int, weight, width: int):
-        b = self._backend._builder
-        cap = b.max_batch * depth
-        dev = self._backend.device
-        if (self._rows is None or self._rows.shape[0] < cap or self._rows.shape[1] != weight.shape[1]
-                or self._rows.dtype != weight.dtype or self._logits.shape[1] != weight.shape[0]):
-            self._graphs.clear()
-            self._rows = torch.empty((cap, weight.shape[1]), dtype=weight.dtype, device=dev)
-            self._logits = torch.empty((cap, weight.shape[0]), dtype=weight.dtype, device=dev)
-            self._roots = torch.empty(b.max_batch, dtype=torch.int64, device=dev)
-        return self._rows[: bs * depth], self._logits[: bs * depth], self._roots[:bs]
-
-    def run(self, rows, weight, vocab, depth, k, budget, roots):
-        if self.disabled_reason is not None:
-            return None
-        b = self._backend._builder
-        if id(b) != self._builder_id:
-            self._graphs.clear()
-            self._builder_id = id(b)
-            self._rows = None
-        bs = roots.shape[0]
-        rows_in, logits, roots_in = self._buffers(bs, depth, weight, budget + 1)
-        key = (bs, depth, k, budget, vocab, weight.data_ptr())
-        rows_in.copy_(rows)
-        roots_in.copy_(roots)
-        graph = self._graphs.get(key)
-        if graph is None:
-            try:
-                graph = self._capture(rows_in, weight, logits, vocab, depth, k, budget, roots_in)
-            except Exception as exc:  # noqa: BLE001  (eager rounds stay exact; say so once)
-                self.disabled_reason = f"{type(exc).__name__}: {exc}"
-                logger.warning("KDTREE: tree-step CUDA graph capture failed (%s); the tree step runs eagerly",
-                               self.disabled_reason)
-                return None
-            self._graphs[key] = graph
-        graph.replay()
-        self.replays += 1
-        return self._backend.build_view(bs, budget), logits[:, :vocab]
-
-    def _body(self, rows_in, weight, logits, vocab, depth, k, budget, roots_in):
-        torch.matmul(rows_in, weight.t(), out=logits)
-        lp, ids = self._backend.topk(logits[:, :vocab].unflatten(0, (roots_in.shape[0], depth)), k)
-        self._backend.build(lp, ids, budget, roots_in)
-
-    def _capture(self, *args):
-        side = torch.cuda.Stream(device=self._backend.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body(*args)  # warm-up: compiles and loads every kernel outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # its own private memory pool (the body writes only into buffers allocated outside the capture); a
-        # shared graph_pool_handle() tripped an allocator assert in the H200 test process
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._body(*args)
-        return graph
 
 
 @dataclass

@@ -368,6 +368,7 @@ class KDTreeWorker(DFlashWorkerV2):
 
             record["mla_launches"] = mla_attention.launch_count(self.device)
             record["tree_graph_replays"] = self.backend._tree_graphs.replays
+            record["commit_graph_replays"] = self.backend._commit_graphs.replays
         try:
             from sglang_kdtree.patches import marlin_moe
         except ImportError:  # pragma: no cover - patches ship with the package
@@ -456,22 +457,23 @@ class KDTreeWorker(DFlashWorkerV2):
         from sglang.srt.runtime_context import get_parallel
 
         roots = draft_input.bonus_tokens.to(torch.int64)
+        seq_lens_sum = int(prefix_cpu.sum())
         if faults is None and get_parallel().tp_size == 1:
-            # one rank: head GEMM -> top-K -> tree (on the GPU replayed from a CUDA graph per batch size)
+            # 2-4 in one call: head GEMM -> top-K -> tree -> verify inputs (on the GPU one CUDA graph replay)
             lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
-            trees, draft_logits = self.backend.tree_step(rows, lm_head.weight, self.vocab_size, self.depths,
-                                                         self.budget, roots, graph=self._tree_graphs)
-            marks.mark("topk")
-        else:
+            trees, verify, draft_logits = self.backend.tree_step(
+                rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots, prefix_lens, seq_lens_sum,
+                graph=self._tree_graphs)
+            marks.mark("tree_step")
+        else:  # tensor parallel (vocab-parallel top-K) or test fault injection: step by step
             logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
             marks.mark("topk")
             trees = self.backend.build(logprobs, ids, self.budget, roots)
-        marks.mark("build")
-
-        # 4: verify input into the N reserved slots after the committed prefix
-        verify = self.backend.verify_inputs(trees, prefix_lens, seq_lens_sum=int(prefix_cpu.sum()))
-        marks.mark("verify_inputs")
+            marks.mark("build")
+            # 4: verify input into the N reserved slots after the committed prefix
+            verify = self.backend.verify_inputs(trees, prefix_lens, seq_lens_sum=seq_lens_sum)
+            marks.mark("verify_inputs")
         verify_slots = self._gather_slots(batch, prefix_lens, width)
         seq_lens_cpu_verify = prefix_cpu + width
         plan = self.target_worker.model_runner.kv_index_translator.plan(
@@ -509,31 +511,36 @@ class KDTreeWorker(DFlashWorkerV2):
                        f"{self._dump_prefix}.{self._dumped}.pt")
             self._dumped += 1
 
-        # 6: accept
+        # 6-7: accept, then the KV commit (the accepted path to the slots of positions P..P+tau-1, read all then
+        # write) and the accepted rows' hidden states for the drafter
         sampling = batch.sampling_info
+        pool = self.target_worker.model_runner.token_to_kv_pool
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("KDTREE verify requires target hidden states, but got None")
         if sampling is None or sampling.is_all_greedy:
-            acc = self.backend.accept_greedy(trees, logits, self.depths)
+            # one call; a CUDA graph replay when the verify forward replayed SGLang's (fixed output addresses)
+            acc, commit, accepted_hidden = self.backend.accept_commit_greedy(
+                trees, logits, self.depths, verify_slots, pool, hidden, width,
+                graph=self._tree_graphs and bool(target_out.can_run_cuda_graph))
+            accept_lens = acc.accept_lens.to(torch.int64)
+            marks.mark("accept_commit_kv")
         else:
             seeds, _ = self._request_seeds(batch)
             acc = self.backend.accept_sampled(trees, logits, sampling.temperatures.view(-1), seeds.view(-1),
                                               prefix_lens, self.depths, top_ks=_per_request(sampling.top_ks),
                                               top_ps=_per_request(sampling.top_ps))
-        accept_lens = acc.accept_lens.to(torch.int64)
-        marks.mark("accept")
+            accept_lens = acc.accept_lens.to(torch.int64)
+            marks.mark("accept")
+            commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)
+            self.backend.commit_kv(pool, commit)
+            marks.mark("commit")
+            accepted_hidden = self.backend.gather_hidden(hidden, commit, width)  # [bs, min(L+1, N), D]
         new_seq_lens = prefix_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        # 7: KV commit: the accepted path to the slots of positions P..P+tau-1 (read all, then write)
-        commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)
-        self.backend.commit_kv(self.target_worker.model_runner.token_to_kv_pool, commit)
-        marks.mark("commit")
-
         # 8: drafter features from the accepted rows, written at chain positions P..P+tau-1
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("KDTREE verify requires target hidden states, but got None")
-        accepted_hidden = self.backend.gather_hidden(hidden, commit, width)  # [bs, min(L+1, N), D]
         commit_width = accepted_hidden.shape[1]
         chain_positions = prefix_lens[:, None] + torch.arange(commit_width, device=device)[None, :]
         draft_slots = self._draft_write_ids(plan).view(bs, width)[:, :commit_width]
@@ -578,14 +585,16 @@ class _RoundMarks:
     """Phase boundaries of one round for the round log: CUDA events on a GPU (read after the round's end),
     the host clock on CPU; does nothing unless the round log is on.
 
-    ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (``topk``,
-    ``build``, ``verify_inputs`` and SGLang's verify ``prepare`` make ``tree``; ``accept``, ``commit``,
-    ``features`` and the result's own mark make ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
+    ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (``tree_step``,
+    or ``topk``, ``build``, ``verify_inputs`` one by one, and SGLang's verify ``prepare`` make ``tree``;
+    ``accept_commit_kv``, or ``accept`` and ``commit``, then ``features`` and the result's own mark make
+    ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
     and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
     close to its device time is bound by the host)."""
 
-    PHASE_OF = {"topk": "tree", "build": "tree", "verify_inputs": "tree", "prepare": "tree",
-                "accept": "accept_commit", "commit": "accept_commit", "features": "accept_commit"}
+    PHASE_OF = {"tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree", "prepare": "tree",
+                "accept_commit_kv": "accept_commit", "accept": "accept_commit", "commit": "accept_commit",
+                "features": "accept_commit"}
 
     def __init__(self, device, enabled: bool):
         import time

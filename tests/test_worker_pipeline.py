@@ -129,17 +129,20 @@ def test_reference_accept_sampled_honours_top_k_and_top_p_per_request():
     assert len(set(free)) > 1  # the unfiltered request really samples (flat target: many likely tokens)
 
 
-def test_tree_step_is_head_gemm_then_topk_then_tree():
-    """``tree_step`` (the worker's one call for steps 2-3) on the reference backend against numpy: the head GEMM
-    over a padded lm_head cut to the real vocabulary, top-K with K = min(budget, vocab), then the tree."""
+def test_tree_step_is_head_gemm_then_topk_then_tree_then_verify_inputs():
+    """``tree_step`` (the worker's one call for steps 2-4) on the reference backend against numpy: the head GEMM
+    over a padded lm_head cut to the real vocabulary, top-K with K = min(budget, vocab), the tree, its verify
+    inputs."""
     rng = np.random.default_rng(4)
     bs, depths, vocab, padded, hidden, budget = 3, 4, 12, 16, 8, 6
     rows = rng.normal(size=(bs * depths, hidden)).astype(np.float32)
     weight = rng.normal(size=(padded, hidden)).astype(np.float32)
     weight[vocab:] = 100.0  # padding rows would win every top-K if they were not cut away
     roots = rng.integers(0, vocab, size=bs)
-    trees, logits = ReferenceBackend("cpu").tree_step(torch.from_numpy(rows), torch.from_numpy(weight), vocab,
-                                                      depths, budget, torch.from_numpy(roots))
+    seq_lens = np.array([5, 1, 9])
+    trees, verify, logits = ReferenceBackend("cpu").tree_step(
+        torch.from_numpy(rows), torch.from_numpy(weight), vocab, depths, budget, torch.from_numpy(roots),
+        torch.from_numpy(seq_lens), int(seq_lens.sum()))
     expect_logits = (rows.astype(np.float64) @ weight.T.astype(np.float64))[:, :vocab]
     np.testing.assert_allclose(logits.numpy(), expect_logits, rtol=1e-5, atol=1e-5)
     ref_lp, ref_ids = reference.topk_logprobs(logits.numpy().reshape(bs, depths, vocab), budget)
@@ -147,3 +150,42 @@ def test_tree_step_is_head_gemm_then_topk_then_tree():
     np.testing.assert_array_equal(trees.tokens.numpy(), ref_trees.tokens)
     np.testing.assert_array_equal(trees.parents.numpy(), ref_trees.parents)
     assert int(trees.tokens.max()) < vocab
+    ref_vi = reference.verify_inputs(ref_trees, seq_lens)
+    np.testing.assert_array_equal(verify.full_mask.numpy(), ref_vi.full_mask)
+    np.testing.assert_array_equal(verify.positions.numpy(), ref_vi.positions)
+
+
+class _RecordingPool:
+    """Stands in for an SGLang KV pool: one tensor of rows, ``move_kv_cache(dst, src)`` as SGLang defines it."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def move_kv_cache(self, dst, src):
+        self.rows[dst] = self.rows[src].clone()
+
+
+def test_accept_commit_greedy_is_accept_then_plan_then_move_then_gather():
+    """``accept_commit_greedy`` (steps 6-7 for a greedy batch) on the reference backend: the accepted path's
+    rows land at the slots of positions P..P+tau-1 and the returned hidden rows are the accepted nodes' rows,
+    checked against a walk over the numpy oracle's accept result."""
+    draft_logits, target_logits, roots, seq_lens = _round_inputs(seed=3)
+    budget, depths, width = 6, 4, 7
+    backend = ReferenceBackend("cpu")
+    lp, ids = backend.topk(torch.from_numpy(draft_logits), budget)
+    trees = backend.build(lp, ids, budget, torch.from_numpy(roots))
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(1))[: 3 * width].view(3, width)
+    kv = torch.randn(40, 5, generator=torch.Generator().manual_seed(2))
+    before = kv.clone()
+    hidden = torch.randn(3 * width, 4, generator=torch.Generator().manual_seed(3))
+    acc, plan, rows = backend.accept_commit_greedy(trees, torch.from_numpy(target_logits), depths, slots,
+                                                   _RecordingPool(kv), hidden, width)
+    ref_trees = reference.build_trees(*reference.topk_logprobs(draft_logits, budget), budget, roots)
+    ref_acc = reference.accept_greedy(ref_trees, target_logits, depths)
+    np.testing.assert_array_equal(acc.accepted.numpy(), ref_acc.accepted)
+    for b in range(3):
+        tau = int(ref_acc.accept_lens[b])
+        path = ref_acc.accepted[b, :tau]
+        for i, node in enumerate(path):
+            assert torch.equal(kv[slots[b, i]], before[slots[b, node]]), (b, i)
+            assert torch.equal(rows[b, i], hidden[b * width + node]), (b, i)

@@ -66,6 +66,21 @@ def alloc_verify_inputs(max_batch: int, max_width: int, max_mask_bytes: int, dev
     )
 
 
+def verify_views(out: GpuVerifyInputs, bs: int, width: int, mask_numel: int) -> GpuVerifyInputs:
+    """The views of ``out`` (``alloc_verify_inputs`` buffers) that ``verify_inputs`` returns for ``bs`` trees of
+    width ``width`` and a FULL_MASK of ``mask_numel`` bytes (also how a replayed CUDA graph's result is read)."""
+    n, words = bs * width, (width + 31) // 32
+    return GpuVerifyInputs(
+        input_ids=out.input_ids[:n],
+        positions=out.positions[:n],
+        full_mask=out.full_mask[:mask_numel],
+        ancestor_bits=out.ancestor_bits[: n * words].view(bs, width, words),
+        retrieve_index=out.retrieve_index[:n].view(bs, width),
+        retrieve_next_token=out.retrieve_next_token[:n].view(bs, width),
+        retrieve_next_sibling=out.retrieve_next_sibling[:n].view(bs, width),
+    )
+
+
 def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuVerifyInputs | None = None,
                   fill_prefix: bool = True, error_flag=None, check: bool = False) -> GpuVerifyInputs:
     """Verify inputs for a batch of trees; twin of ``reference.verify_inputs``.
@@ -118,15 +133,7 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
                 f"out.full_mask holds {out.full_mask.numel()} bytes, fewer than sum(seq_lens)*N + N*N*bs = "
                 f"{mask_numel}; build the TreeBuilder with a larger max_mask_bytes"
             )
-    res = GpuVerifyInputs(
-        input_ids=out.input_ids[:n],
-        positions=out.positions[:n],
-        full_mask=out.full_mask[:mask_numel],
-        ancestor_bits=out.ancestor_bits[: n * words].view(bs, width, words),
-        retrieve_index=out.retrieve_index[:n].view(bs, width),
-        retrieve_next_token=out.retrieve_next_token[:n].view(bs, width),
-        retrieve_next_sibling=out.retrieve_next_sibling[:n].view(bs, width),
-    )
+    res = verify_views(out, bs, width, mask_numel)
     if error_flag is None:
         error_flag = new_error_flag(dev)
     if bs == 0:

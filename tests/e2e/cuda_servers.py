@@ -322,6 +322,9 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
             rec["mla_launches"] = max((r.get("mla_launches", 0) for r in records), default=0)
             rec["mla_launches_during_graph_rounds"] = graph_mla[-1] - graph_mla[0] if len(graph_mla) > 1 else 0
             rec["marlin_routed"] = max((r.get("marlin_routed", 0) for r in records), default=0)
+            # process totals of the bookkeeping's own CUDA-graph replays (tree step; greedy accept + commit)
+            rec["tree_graph_replays"] = max((r.get("tree_graph_replays", 0) for r in records), default=0)
+            rec["commit_graph_replays"] = max((r.get("commit_graph_replays", 0) for r in records), default=0)
             summary["servers"][name] = rec
         for v in variants_:
             for g in modes:
@@ -340,7 +343,7 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
 
 def format_table(summary: dict) -> str:
     lines = [f"{'server':44s} {'ready_s':>8s} {'tokens':>7s} {'accept':>7s} {'rounds':>6s} {'maxbs':>5s} "
-             f"{'gpu':>4s} {'graph':>5s} {'mla':>6s} {'marlin':>6s}  error"]
+             f"{'gpu':>4s} {'graph':>5s} {'tree_g':>6s} {'acc_g':>5s} {'mla':>6s} {'marlin':>6s}  error"]
     for name, rec in summary["servers"].items():
         ready = f"{rec['ready_s']:.0f}" if rec.get("ready_s") else "-"
         acc = f"{rec['accept_length']:.2f}" if rec.get("accept_length") else "-"
@@ -351,6 +354,7 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:44s} {ready:>8s} {rec.get('completion_tokens', '-')!s:>7s} {acc:>7s} "
                      f"{rec.get('rounds', 0):>6d} {rec.get('max_batch_in_round', 0):>5d} "
                      f"{'yes' if rec.get('gpu_backend') else 'no':>4s} {rec.get('graph_rounds', 0):>5d} "
+                     f"{rec.get('tree_graph_replays', 0):>6d} {rec.get('commit_graph_replays', 0):>5d} "
                      f"{rec.get('mla_launches', 0):>6d} {rec.get('marlin_routed', 0):>6d}  {err_line}")
     ops = sorted({op for rec in summary["servers"].values() for op in rec.get("standin_ops_called", [])})
     lines.append(f"sgl_kernel stand-in ops called (any server): {', '.join(ops) or '-'}")

@@ -148,27 +148,31 @@ def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
 
 
 def _tree_step_graph_check():
-    """The worker's GPU tree step: head GEMM -> top-K -> tree captured in a CUDA graph per batch size and
-    replayed on fresh inputs (batch sizes that shrink, grow past the reservation and come back), into
-    poisoned buffers; every replay equals the reference backend's eager steps on the same bf16 head logits."""
+    """The worker's GPU tree step: head GEMM -> top-K -> tree -> verify inputs captured in a CUDA graph per batch
+    size and replayed on fresh inputs (batch sizes and contexts that shrink, grow past the reservation and come
+    back), into poisoned buffers; every replay equals the reference backend's eager steps on the same bf16 head
+    logits."""
     cuda = torch.device("cuda")
     ref = pipeline.ReferenceBackend(torch.device("cpu"))
     gpu = pipeline.select_backend(cuda)
     budget, depths, vocab, padded, hidden = 32, 7, 5003, 5120, 64
+    width = budget + 1
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn((padded, hidden), generator=gen) / 4).to(torch.bfloat16)
     weight[vocab:] = 50.0  # the padded head rows must never become candidates
     weight_g = weight.to(cuda)
-    replays = 0
-    for bs in (4, 2, 4, 9, 2, 9):
-        gpu.reserve(bs, budget, depths, vocab, mask_bytes=1)
+    for round_no, (bs, max_len) in enumerate([(4, 30), (2, 30), (4, 20), (9, 300), (2, 10), (9, 300), (9, 250)]):
+        seq_lens = torch.randint(1, max_len, (bs,), generator=gen)
+        total = int(seq_lens.sum())
+        # one FULL_MASK capacity for every round, so only the batch size and the builder make new graph keys
+        gpu.reserve(bs, budget, depths, vocab, mask_bytes=pipeline.full_mask_numel(9 * 300, width, 9))
         _poison_backend(gpu)
         rows = torch.randn((bs * depths, hidden), generator=gen).to(torch.bfloat16)
         roots = torch.randint(0, vocab, (bs,), generator=gen)
-        tg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda))
-        assert gpu._tree_graphs.disabled_reason is None, gpu._tree_graphs.disabled_reason
-        replays += 1
-        assert gpu._tree_graphs.replays == replays
+        tg, vg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda),
+                                   seq_lens.to(cuda), total)
+        graphs = gpu._tree_graphs
+        assert graphs.disabled_reason is None, graphs.disabled_reason
         logits = lg.cpu()  # the GPU GEMM's bf16 logits: the reference runs the remaining steps on them
         assert logits.shape == (bs * depths, vocab)
         torch.testing.assert_close(logits.double(), (rows.double() @ weight.double().T)[:, :vocab], rtol=0.02,
@@ -176,24 +180,97 @@ def _tree_step_graph_check():
         lp_r, id_r = ref.topk(logits.view(bs, depths, vocab), min(budget, vocab))
         tr = ref.build(lp_r, id_r, budget, roots)
         for field in TREE_FIELDS:
-            assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), (bs, field)
+            assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), (round_no, field)
+        vr = ref.verify_inputs(tr, seq_lens, total)
+        for field in VERIFY_FIELDS:
+            assert torch.equal(getattr(vg, field).cpu().to(getattr(vr, field).dtype), getattr(vr, field)), (
+                round_no, field)
+    # captures: rounds 0 (bs 4), 1 (bs 2), 3 (bs 9: a new builder drops the graphs), 4 (bs 2 again); replays:
+    # rounds 2, 5, 6
+    assert (graphs.replays, graphs.captures) == (3, 4), (graphs.replays, graphs.captures)
     assert int(gpu.tree_errors.item()) == 0
-    # eager (graph off) gives the same trees
-    te, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), graph=False)
+    te, ve, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), seq_lens.to(cuda),
+                              total, graph=False)
     for field in TREE_FIELDS:
         assert torch.equal(getattr(te, field).cpu(), getattr(tr, field)), field
-    print("TREE-STEP-GRAPH-OK", gpu._tree_graphs.replays)
+    print("TREE-STEP-GRAPH-OK", graphs.replays, graphs.captures)
 
 
-def test_tree_step_graph_replays_equal_the_reference():
-    """``_tree_step_graph_check`` in a fresh interpreter: a CUDA-graph capture that fails inside torch can leave
-    the process's CUDA generator in capture state and break every later test, so it gets its own process."""
+def _mla_pool(rows: int, layers: int, gen):
+    """An SGLang ``MLATokenToKVPool`` holding only what ``compact_kv``'s table reads (``kv_buffer``, page size 1),
+    built without its constructor (test-only: the constructor wants a model runner's memory settings)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool.__new__(MLATokenToKVPool)
+    pool.page_size, pool.layer_num, pool.k_scale_buffer = 1, layers, None
+    pool.kv_buffer = [torch.randn((rows, 1, 576), generator=gen).to(torch.bfloat16).cuda() for _ in range(layers)]
+    return pool
+
+
+def _accept_commit_graph_check():
+    """The worker's greedy accept -> commit plan -> KV move -> hidden gather, replayed from a CUDA graph per key
+    while the target logits and hidden states sit at fixed addresses (as SGLang's replayed verify graph leaves
+    them): every round's KV rows and hidden rows equal an independent walk over the reference's accept result."""
+    cuda = torch.device("cuda")
+    ref = pipeline.ReferenceBackend(torch.device("cpu"))
+    gpu = pipeline.select_backend(cuda)
+    budget, depths, vocab, d = 24, 7, 3001, 32
+    width = budget + 1
+    gen = torch.Generator().manual_seed(11)
+    pool = _mla_pool(4096, 2, gen)
+    static = {}
+    for round_no, bs in enumerate([3, 3, 3, 5, 3, 5]):
+        gpu.reserve(bs, budget, depths, vocab, mask_bytes=1)
+        lp_r, id_r = ref.topk(torch.randn((bs, depths, vocab), generator=gen) * 3, budget)
+        roots = torch.randint(0, vocab, (bs,), generator=gen)
+        tr = ref.build(lp_r, id_r, budget, roots)
+        tg = gpu.build(lp_r.cuda(), id_r.cuda(), budget, roots.cuda())
+        target = target_following_the_tree(tr, vocab, 0.8, gen)
+        hidden = torch.randn((bs * width, d), generator=gen).to(torch.bfloat16)
+        if bs not in static:  # one fixed logits / hidden buffer per batch size, like a graph runner's outputs
+            static[bs] = (torch.empty((bs, width, vocab), device=cuda), torch.empty((bs * width, d), device=cuda,
+                                                                                   dtype=torch.bfloat16))
+        logits_g, hidden_g = static[bs]
+        logits_g.copy_(target)
+        hidden_g.copy_(hidden)
+        slots = torch.randperm(4096, generator=gen)[: bs * width].view(bs, width)
+        before = [layer.cpu().clone() for layer in pool.kv_buffer]
+        acc, plan, rows = gpu.accept_commit_greedy(tg, logits_g, depths, slots.cuda(), pool, hidden_g, width,
+                                                   graph=True)
+        ar = ref.accept_greedy(tr, target, depths)
+        assert torch.equal(acc.accepted.cpu(), ar.accepted), round_no
+        rows = rows.cpu()
+        for b in range(bs):
+            tau = int(ar.accept_lens[b])
+            for i, node in enumerate(ar.accepted[b, :tau].tolist()):
+                for layer, old in zip(pool.kv_buffer, before):
+                    assert torch.equal(layer[int(slots[b, i])].cpu(), old[int(slots[b, node])]), (round_no, b, i)
+                assert torch.equal(rows[b, i], hidden[b * width + node]), (round_no, b, i)
+    graphs = gpu._commit_graphs
+    assert graphs.disabled_reason is None, graphs.disabled_reason
+    # captures: rounds 0 (bs 3), 3 (bs 5: a new builder drops the graphs), 4 (bs 3 again); replays: 1, 2, 5
+    assert (graphs.replays, graphs.captures) == (3, 3), (graphs.replays, graphs.captures)
+    assert int(gpu.commit_errors.item()) == 0
+    print("ACCEPT-COMMIT-GRAPH-OK", graphs.replays, graphs.captures)
+
+
+def _in_fresh_interpreter(check: str, expect: str):
+    """Run ``check`` of this file in its own interpreter: a CUDA-graph capture that fails inside torch can leave
+    the process's CUDA generator in capture state and break every later test."""
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).resolve()
-    code = f"import runpy; runpy.run_path({str(here)!r})['_tree_step_graph_check']()"
+    code = f"import runpy; runpy.run_path({str(here)!r})[{check!r}]()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(here.parents[2]), capture_output=True, text=True,
                           timeout=600)
-    assert proc.returncode == 0 and "TREE-STEP-GRAPH-OK 6" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and expect in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_tree_step_graph_replays_equal_the_reference():
+    _in_fresh_interpreter("_tree_step_graph_check", "TREE-STEP-GRAPH-OK")
+
+
+def test_accept_commit_graph_replays_move_the_accepted_rows():
+    _in_fresh_interpreter("_accept_commit_graph_check", "ACCEPT-COMMIT-GRAPH-OK")

@@ -97,8 +97,11 @@ def test_kdtree_server_ran_gpu_rounds(comparison, model, mode):
     assert rec["accept_length"] is not None and rec["accept_length"] > 1.5
     if MODES[mode]:
         assert rec["graph_rounds"] > 0, "no verify forward replayed a CUDA graph"
+        # the bookkeeping's own graphs replayed too (greedy batches whose verify replayed SGLang's graph)
+        assert rec["tree_graph_replays"] > 0 and rec["commit_graph_replays"] > 0, rec
     else:
         assert rec["graph_rounds"] == 0
+        assert rec["tree_graph_replays"] == 0 and rec["commit_graph_replays"] == 0, rec
 
 
 @pytest.mark.parametrize("mode", list(MODES))

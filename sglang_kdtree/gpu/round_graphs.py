@@ -1,0 +1,189 @@
+"""CUDA graphs of the round's bookkeeping on the GPU backend, so the host issues one replay per step instead of
+a GEMM, several kernel launches and their argument checks (in a server the GPU otherwise waits for Python).
+
+* ``TreeStepGraphs``: draft head GEMM -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``). Static
+  inputs: the draft rows, the roots and the committed lengths, copied into buffers before each replay.
+* ``AcceptCommitGraphs``: greedy accept -> commit plan -> KV compaction -> accepted hidden rows
+  (``GpuBackend.accept_commit_greedy``), used only when the target's verify replayed SGLang's own graph, whose
+  logits and hidden states then sit at the same addresses in every round of that batch size. Static input:
+  the verify slots.
+
+One graph per key (batch size, widths, and the addresses of every buffer the steps read or write). The first
+round with a new key runs the steps eagerly (that round's real work), then captures them (capture executes
+nothing); later rounds replay. A key's buffers are the backend's grow-only reservations, so a grown buffer
+makes a new key. Nothing here syncs the host, not even a capture (``_Graphs._capture``). A capture
+that fails is logged once and turns that graph kind off for the process (the eager steps are exact too).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: at most this many graphs of one kind per process
+MAX_GRAPHS = 256
+#: a kind whose keys missed this many rounds in a row stops capturing (its inputs do not sit still)
+MAX_CONSECUTIVE_MISSES = 64
+
+
+class _Graphs:
+    """Graph cache of one step kind: ``run(key, body)`` returns the body's outputs (views of static buffers)."""
+
+    kind = "graph"
+
+    def __init__(self, backend):
+        self._backend = backend
+        self._builder = None  # held, so a replaced TreeBuilder's address cannot come back under an old key
+        self._graphs: dict = {}
+        self.disabled_reason: str | None = None
+        self.replays = 0
+        self.captures = 0
+        self._misses = 0
+        self._stream = None
+
+    def _check_builder(self) -> None:
+        """Drop every graph when ``reserve`` replaced the builder (the graphs point into its buffers)."""
+        if self._backend._builder is not self._builder:
+            self._graphs.clear()
+            self._builder = self._backend._builder
+
+    def run(self, key, body):
+        hit = self._graphs.get(key)
+        if hit is not None:
+            graph, outputs = hit
+            graph.replay()
+            self.replays += 1
+            self._misses = 0
+            return outputs
+        outputs = body()  # this round's work, eagerly (also loads every kernel before the capture)
+        self._misses += 1
+        if self._misses >= MAX_CONSECUTIVE_MISSES and self.disabled_reason is None:
+            self.disabled_reason = f"no key repeated in {self._misses} rounds"
+            self._graphs.clear()
+            logger.warning("KDTREE: %s CUDA graphs off: %s", self.kind, self.disabled_reason)
+        if self.disabled_reason is None and len(self._graphs) < MAX_GRAPHS:
+            try:
+                self._graphs[key] = self._capture(body)
+                self.captures += 1
+            except Exception as exc:  # noqa: BLE001  (the eager steps stay exact; say so once)
+                self.disabled_reason = f"{type(exc).__name__}: {exc}"
+                self._graphs.clear()
+                logger.warning("KDTREE: %s CUDA graph capture failed (%s); these steps run eagerly from now on",
+                               self.kind, self.disabled_reason)
+        return outputs
+
+
+    def _capture(self, body):
+        """``(graph, outputs)`` of ``body`` captured on a side stream. Unlike ``torch.cuda.graph``, no device
+        sync, ``gc.collect`` or ``empty_cache`` (a server captures one graph per new batch size while serving):
+        the side stream waits for the current one, and the current one for the side stream after."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._backend.device)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = body()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._stream)
+        return graph, outputs
+
+
+class TreeStepGraphs(_Graphs):
+    """``GpuBackend.tree_step`` replayed: head GEMM into a logits buffer, top-K and tree into the reserved
+    ``TreeBuilder``, verify inputs into its verify buffers."""
+
+    kind = "tree-step"
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self._rows = self._logits = self._roots = self._seq = None
+
+    def _inputs(self, max_batch: int, depth: int, weight):
+        cap = max_batch * depth
+        dev = self._backend.device
+        if (self._rows is None or self._rows.shape[0] < cap or self._rows.shape[1] != weight.shape[1]
+                or self._rows.dtype != weight.dtype or self._logits.shape[1] != weight.shape[0]
+                or self._roots.shape[0] < max_batch):
+            self._rows = torch.empty((cap, weight.shape[1]), dtype=weight.dtype, device=dev)
+            self._logits = torch.empty((cap, weight.shape[0]), dtype=weight.dtype, device=dev)
+            self._roots = torch.empty(max_batch, dtype=torch.int64, device=dev)
+            self._seq = torch.empty(max_batch, dtype=torch.int64, device=dev)
+
+    def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int):
+        """``(trees, verify, draft logits [bs*L, vocab])`` or None when graphs are off."""
+        if self.disabled_reason is not None:
+            return None
+        self._check_builder()
+        backend, builder = self._backend, self._backend._builder
+        bs = roots.shape[0]
+        from sglang_kdtree.gpu.verify import full_mask_numel, verify_views
+
+        width = int(budget) + 1
+        mask_numel = full_mask_numel(int(seq_lens_sum), width, bs)
+        if budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
+            return None  # not within the reservation: the caller runs the steps eagerly
+        self._inputs(builder.max_batch, depth, weight)
+        rows_in, logits = self._rows[: bs * depth], self._logits[: bs * depth]
+        roots_in, seq_in = self._roots[:bs], self._seq[:bs]
+        rows_in.copy_(rows)
+        roots_in.copy_(roots)
+        seq_in.copy_(seq_lens)
+        k = min(int(budget), int(vocab))
+        verify_buf = builder.verify
+        key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
+               weight.data_ptr(), rows_in.data_ptr(), logits.data_ptr())
+
+        def body():
+            torch.matmul(rows_in, weight.t(), out=logits)
+            lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)
+            trees = backend.build(lp, ids, budget, roots_in)
+            # the FULL_MASK kernel takes its offsets from seq_in on the device; the host size only cuts the view
+            backend.verify_inputs(trees, seq_in, seq_lens_sum=int(seq_lens_sum))
+            return trees
+
+        trees = self.run(key, body)
+        return trees, verify_views(builder.verify, bs, width, mask_numel), logits[:, :vocab]
+
+
+class AcceptCommitGraphs(_Graphs):
+    """``GpuBackend.accept_commit_greedy`` replayed (greedy batches whose verify forward replayed a graph)."""
+
+    kind = "accept-commit"
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self._slots = None
+
+    def step(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int):
+        """``(accept result, commit plan, accepted hidden rows)`` or None when graphs are off."""
+        if self.disabled_reason is not None:
+            return None
+        self._check_builder()
+        backend = self._backend
+        bs = trees.tokens.shape[0]
+        n = bs * verify_slots.shape[1]
+        if self._slots is None or self._slots.numel() < n:
+            self._slots = torch.empty(max(n, 2 * (self._slots.numel() if self._slots is not None else 0)),
+                                      dtype=torch.int64, device=backend.device)
+        slots_in = self._slots[:n].view(bs, -1)
+        slots_in.copy_(verify_slots)
+        # the storages the steps carve their outputs from must not grow inside a capture: size them first
+        backend.size_accept_commit(trees, depth, hidden, width)
+        key = (bs, trees.tokens.shape[1], depth, width, trees.tokens.data_ptr(), logits.data_ptr(),
+               tuple(logits.stride()), logits.dtype, hidden.data_ptr(), tuple(hidden.stride()), id(pool),
+               backend.storage_addresses(), slots_in.data_ptr())
+
+        def body():
+            acc = backend.accept_greedy(trees, logits, depth)
+            plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), slots_in)
+            backend.commit_kv(pool, plan)
+            return acc, plan, backend.gather_hidden(hidden, plan, width)
+
+        return self.run(key, body)
