@@ -75,7 +75,6 @@ class _Graphs:
                                self.kind, self.disabled_reason)
         return outputs
 
-
     def _capture(self, body):
         """``(graph, outputs)`` of ``body`` captured on a side stream. Unlike ``torch.cuda.graph``, no device
         sync, ``gc.collect`` or ``empty_cache`` (a server captures one graph per new batch size while serving):
