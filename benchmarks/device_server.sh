@@ -19,7 +19,9 @@
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"), ALL_GPUS=1 (the tests / probe see every GPU: TP 2), BENCH_AFTER=1 (the
-#   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it).
+#   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
+#   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0), BENCH_KINDS (bench_server.py
+#   --kinds, e.g. "plain dflash kdtree kdtree-log").
 # One slimmed carry for all of it: `python benchmarks/device_carry.py`, then carry=[".dev-carry"].
 set -uo pipefail
 START=$(date +%s)
@@ -96,13 +98,22 @@ export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP >
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target
   CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
-    --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench"
+    --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" \
+    ${BENCH_KINDS:+--kinds $BENCH_KINDS}
 }
-if [ -n "${UNIT:-}" ]; then
-  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the MLA launch counter) first, alone
+run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the round's graphs)
   # (the stand-in on the path: the Marlin tests import SGLang's quantization package, which imports sgl_kernel)
-  step unit 150 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+  CUDA_VISIBLE_DEVICES=$1 step unit 150 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
     python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" tests/gpu
+}
+if [ -n "${PARALLEL:-}" ] && [ "$NGPU" -ge 2 ]; then
+  # PARALLEL=1: the unit tests and then the bench on GPU 1 while the tests / probe use GPU 0
+  ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
+  BENCH_PID=$!
+  UNIT=; BENCH_AFTER=; BENCH=
+fi
+if [ -n "${UNIT:-}" ]; then
+  run_unit "${CUDA_VISIBLE_DEVICES:-0}"  # first, alone
 fi
 if [ -n "${BENCH:-}" ] && [ -z "${BENCH_AFTER:-}" ]; then
   # beside the tests: on the second GPU when there is one (the tests' servers stay on the first), else on the
