@@ -379,3 +379,20 @@ def test_sampled_logprobs_are_what_the_plain_server_reports(plain_server, kdtree
         worst = max(worst, abs(got - want))
         _assert_top_close(meta["output_top_logprobs"][j], probe["meta_info"]["output_top_logprobs"][0], j)
     print(f"\n{kdtree_server.model_name}: T={temperature} output logprobs, max |kdtree - plain| = {worst:.2e}")
+
+
+def test_seeded_first_token_reports_the_logprob_of_the_redrawn_token(plain_server, kdtree_server):
+    """A seeded request's first token is drawn by SGLang's prefill sampler and then redrawn by the worker with
+    the request's seed: the logprob reported must be the redrawn token's (at T = 2.5, where the two draws
+    often differ), equal to the plain server's for that token."""
+    temperature = 2.5
+    payloads = [{"input_ids": p, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 1, "temperature": temperature, "sampling_seed": 100 + i}} for i, p in enumerate(PROMPTS)]
+    spec = _concurrent(kdtree_server, payloads)
+    probes = [{"input_ids": p, "return_logprob": True, "token_ids_logprob": r["output_ids"],
+               "sampling_params": {"max_new_tokens": 1, "temperature": temperature}} for p, r in zip(PROMPTS, spec)]
+    for prompt, r, probe in zip(PROMPTS, spec, _concurrent(plain_server, probes)):
+        got, token, _ = r["meta_info"]["output_token_logprobs"][0]
+        (want, want_token, _), = probe["meta_info"]["output_token_ids_logprobs"][0]
+        assert token == want_token == r["output_ids"][0]
+        assert abs(got - want) <= LOGPROB_ATOL, (prompt, token, got, want)
