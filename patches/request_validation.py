@@ -11,9 +11,12 @@ distribution than it asked for. Under KDTREE a request is aborted at admission w
 field when it asks for
 
 * a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
-* at T > 0, a sampling filter or penalty the tree accept does not apply: ``min_p > 0``,
-  ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty`` other than 1 (greedy
-  requests are unaffected: a filter cannot change the argmax; top-k and top-p are applied by the accept);
+* at any temperature, what SGLang's sampler applies to the logits before it picks, even the argmax, and the
+  tree accept does not: ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty``
+  other than 1, ``min_new_tokens`` > 0 (these are SGLang's penalizers), a ``logit_bias``, a custom logit
+  processor;
+* at T > 0, ``min_p > 0`` (greedy requests are unaffected: min-p keeps the argmax; top-k and top-p are
+  applied by the accept);
 * an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
 
 Other requests go to SGLang's check.
@@ -27,12 +30,23 @@ TARGETS = (TARGET, "sglang.srt.managers.scheduler.validate_dflash_request")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-#: (field, value that means "off") of the filters and penalties the tree accept does not apply at T > 0
-_UNSERVED_AT_T = (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                  ("repetition_penalty", 1.0))
+#: (field, value that means "off") of SGLang's penalizers, which change the logits before any pick (greedy too)
+_UNSERVED_ANY_T = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+                   ("min_new_tokens", 0))
+#: (field, value that means "off") of the filters the tree accept does not apply at T > 0
+_UNSERVED_AT_T = (("min_p", 0.0),)
 
 
-def _sampling_error(params) -> str | None:
+def _sampling_error(req, params) -> str | None:
+    for field, off in _UNSERVED_ANY_T:
+        value = getattr(params, field, off)
+        if value is not None and float(value) != off:
+            return (f"KDTREE speculative decoding does not apply {field} yet (SGLang's sampler applies it even at "
+                    f"temperature 0, so the output would differ): drop {field} (got {value})")
+    if getattr(params, "logit_bias", None):
+        return "KDTREE speculative decoding does not apply logit_bias yet: drop logit_bias"
+    if getattr(req, "custom_logit_processor", None):
+        return "KDTREE speculative decoding does not run custom logit processors yet: drop custom_logit_processor"
     if getattr(params, "top_k", -1) == 1:  # SGLang's encoding of greedy (temperature 0): the argmax is served
         return None
     for field, off in _UNSERVED_AT_T:
@@ -49,7 +63,7 @@ def kdtree_request_error(req, vocab_size: int | None = None) -> str | None:
     for field in GRAMMAR_FIELDS:
         if getattr(params, field, None):
             return f"KDTREE speculative decoding does not support grammar-constrained decoding yet; drop {field}"
-    error = _sampling_error(params)
+    error = _sampling_error(req, params)
     if error is not None:
         return error
     ids = getattr(req, "origin_input_ids", None)

@@ -230,14 +230,19 @@ def test_request_validation_refuses_grammar_only_under_kdtree_and_serves_logprob
 def _sampled_req(ids=(1, 2, 3), **overrides):
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    min_new = overrides.pop("min_new_tokens", 0)  # normalize(None) refuses it without a tokenizer: set after
     params = SamplingParams(temperature=overrides.pop("temperature", 0.8), **overrides)
     params.normalize(None)  # SGLang's own normalisation: temperature 0 becomes top_k 1, top_k -1 becomes "all"
+    params.min_new_tokens = min_new
     return _Obj(return_logprob=False, sampling_params=params, origin_input_ids=list(ids))
 
 
-@pytest.mark.parametrize("field, value", [("min_p", 0.05), ("frequency_penalty", 0.5), ("presence_penalty", -0.3),
-                                          ("repetition_penalty", 1.1)])
-def test_kdtree_refuses_sampling_filters_it_would_otherwise_ignore(monkeypatch, field, value):
+@pytest.mark.parametrize("field, value, greedy_too", [
+    ("min_p", 0.05, False), ("frequency_penalty", 0.5, True), ("presence_penalty", -0.3, True),
+    ("repetition_penalty", 1.1, True), ("min_new_tokens", 3, True), ("logit_bias", {"5": 2.0}, True)])
+def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch, field, value, greedy_too):
+    """min-p is refused at T > 0 only (it keeps the argmax); SGLang's penalizers and logit_bias change the
+    logits before even a greedy pick, so they are refused at any temperature."""
     from sglang_kdtree import worker
     from sglang_kdtree.patches import request_validation as patch
 
@@ -245,15 +250,31 @@ def test_kdtree_refuses_sampling_filters_it_would_otherwise_ignore(monkeypatch, 
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
     monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
     error = patch.validate_dflash_request(original, _sampled_req(**{field: value}), False)
-    assert error != "original" and field in error and str(value) in error
-    # greedy: the same field cannot change the argmax, so the request is served
-    assert patch.validate_dflash_request(original, _sampled_req(temperature=0, **{field: value}), False) == "original"
+    assert error != "original" and field in error
+    if not isinstance(value, dict):
+        assert str(value) in error
+    greedy = patch.validate_dflash_request(original, _sampled_req(temperature=0, **{field: value}), False)
+    if greedy_too:
+        assert greedy != "original" and field in greedy
+    else:
+        assert greedy == "original"
     # temperature, top-k and top-p are served (the tree accept applies them)
     assert patch.validate_dflash_request(original, _sampled_req(), False) == "original"
     assert patch.validate_dflash_request(original, _sampled_req(top_k=40, top_p=0.9), False) == "original"
     # and nothing is refused when this process is not a KDTREE server
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
     assert patch.validate_dflash_request(original, _sampled_req(**{field: value}), False) == "original"
+
+
+def test_kdtree_refuses_custom_logit_processors(monkeypatch):
+    from sglang_kdtree import worker
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    req = _sampled_req(temperature=0)
+    req.custom_logit_processor = "serialized-processor"
+    assert "custom_logit_processor" in patch.validate_dflash_request(original, req, False)
 
 
 @pytest.mark.parametrize("ids, bad", [([0, 99], None), ([5, 100], 100), ([-1, 3], -1), ([], None)])

@@ -396,3 +396,52 @@ def test_seeded_first_token_reports_the_logprob_of_the_redrawn_token(plain_serve
         (want, want_token, _), = probe["meta_info"]["output_token_ids_logprobs"][0]
         assert token == want_token == r["output_ids"][0]
         assert abs(got - want) <= LOGPROB_ATOL, (prompt, token, got, want)
+
+
+#: Distribution tests, KDTREE's sampled accept against the plain server's sampler: the pair (first, second)
+#: output token of SAMPLES unseeded requests per server and setting, compared by a two-sample chi-square test
+#: of homogeneity (pairs seen fewer than 10 times in both servers together pooled into one cell) at level
+#: ALPHA. The first token comes from the prefill sampler, the second from the tree round's accept. Power: the
+#: same test must reject the plain server's filtered samples against its unfiltered ones (the filter ignored,
+#: the bug this guards against); that control runs in the same test.
+SAMPLES = 400
+ALPHA = 1e-3
+
+
+def _pairs(server, prompt, params) -> list[tuple[int, int]]:
+    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True, **params}}
+    results = []
+    for start in range(0, SAMPLES, 100):  # 100 in flight at a time
+        results += _concurrent(server, [payload] * min(100, SAMPLES - start))
+    return [tuple(r["output_ids"][:2]) for r in results]
+
+
+def _homogeneity_p(a: list, b: list) -> float:
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    cells = {k: (ca[k], cb[k]) for k in ca.keys() | cb.keys()}
+    big = [v for v in cells.values() if sum(v) >= 10]
+    pooled = tuple(sum(v[i] for v in cells.values() if sum(v) < 10) for i in (0, 1))
+    table = big + ([pooled] if sum(pooled) else [])
+    if len(table) < 2:
+        return 1.0  # one cell: the two samples cannot differ
+    return float(chi2_contingency(table).pvalue)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 2.0, "top_p": 0.6}, {"temperature": 2.0, "top_k": 3}])
+def test_top_p_and_top_k_sampling_distribution_equals_the_plain_server(plain_server, kdtree_server, params):
+    if plain_server.model_name != "llama":
+        pytest.skip("one target is enough for the distribution test (CI time)")
+    prompt = PROMPTS[3]
+    plain = _pairs(plain_server, prompt, params)
+    spec = _pairs(kdtree_server, prompt, params)
+    unfiltered = _pairs(plain_server, prompt, {"temperature": params["temperature"]})
+    p_same = _homogeneity_p(plain, spec)
+    p_control = _homogeneity_p(plain, unfiltered)
+    print(f"\n{params}: distinct pairs plain {len(set(plain))}, kdtree {len(set(spec))}, unfiltered "
+          f"{len(set(unfiltered))}; p(kdtree = plain) = {p_same:.3g}, p(unfiltered = plain) = {p_control:.3g}")
+    assert p_control < ALPHA, f"the test has no power here: unfiltered vs filtered p = {p_control}"
+    assert p_same >= ALPHA, f"KDTREE's {params} samples differ from the plain server's: p = {p_same}"
