@@ -402,8 +402,8 @@ def test_seeded_first_token_reports_the_logprob_of_the_redrawn_token(plain_serve
 #: output token of SAMPLES unseeded requests per server and setting, compared by a two-sample chi-square test
 #: of homogeneity (pairs seen fewer than 10 times in both servers together pooled into one cell) at level
 #: ALPHA. The first token comes from the prefill sampler, the second from the tree round's accept. Power: the
-#: same test must reject the plain server's filtered samples against its unfiltered ones (the filter ignored,
-#: the bug this guards against); that control runs in the same test.
+#: same test must reject the plain server's samples against its samples under a control setting (the filter
+#: ignored, another temperature: the bugs this guards against); that control runs in the same test.
 SAMPLES = 400
 ALPHA = 1e-3
 
@@ -431,17 +431,24 @@ def _homogeneity_p(a: list, b: list) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
-@pytest.mark.parametrize("params", [{"temperature": 2.0, "top_p": 0.6}, {"temperature": 2.0, "top_k": 3}])
-def test_top_p_and_top_k_sampling_distribution_equals_the_plain_server(plain_server, kdtree_server, params):
+@pytest.mark.parametrize("params, control", [
+    ({"temperature": 2.0, "top_p": 0.6}, {"temperature": 2.0}),  # control: the filter ignored
+    ({"temperature": 2.0, "top_k": 3}, {"temperature": 2.0}),
+    ({"temperature": 0.7}, {"temperature": 1.5}),  # control: another temperature
+], ids=["top_p", "top_k", "temperature"])
+def test_sampling_distribution_equals_the_plain_server(plain_server, kdtree_server, params, control):
+    """Temperature, top-k and top-p: KDTREE's samples and the plain server's come from one distribution (not
+    rejected at ALPHA), while the plain server's samples under ``control`` (what a KDTREE that ignored the
+    setting would draw from) are rejected: the test has power against that error, in this very run."""
     if plain_server.model_name != "llama":
         pytest.skip("one target is enough for the distribution test (CI time)")
     prompt = PROMPTS[3]
     plain = _pairs(plain_server, prompt, params)
     spec = _pairs(kdtree_server, prompt, params)
-    unfiltered = _pairs(plain_server, prompt, {"temperature": params["temperature"]})
+    other = _pairs(plain_server, prompt, control)
     p_same = _homogeneity_p(plain, spec)
-    p_control = _homogeneity_p(plain, unfiltered)
-    print(f"\n{params}: distinct pairs plain {len(set(plain))}, kdtree {len(set(spec))}, unfiltered "
-          f"{len(set(unfiltered))}; p(kdtree = plain) = {p_same:.3g}, p(unfiltered = plain) = {p_control:.3g}")
-    assert p_control < ALPHA, f"the test has no power here: unfiltered vs filtered p = {p_control}"
+    p_control = _homogeneity_p(plain, other)
+    print(f"\n{params}: distinct pairs plain {len(set(plain))}, kdtree {len(set(spec))}, control {control} "
+          f"{len(set(other))}; p(kdtree = plain) = {p_same:.3g}, p(control = plain) = {p_control:.3g}")
+    assert p_control < ALPHA, f"the test has no power here: control vs plain p = {p_control}"
     assert p_same >= ALPHA, f"KDTREE's {params} samples differ from the plain server's: p = {p_same}"
