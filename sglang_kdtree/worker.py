@@ -137,13 +137,13 @@ class KDTreeWorker(DFlashWorkerV2):
         self._dump_prefix = os.environ.get(DUMP_ENV) or None
         self._test_faults_path = os.environ.get(TEST_FAULTS_ENV) or None
         self._dumped = 0
-        # the GPU tree step (head GEMM -> top-K -> tree) replays a CUDA graph per batch size unless CUDA graphs
-        # are off for the server or SGLANG_KDTREE_TREE_GRAPH=off
-        self._tree_graphs = (not getattr(server_args, "disable_cuda_graph", False)
-                             and os.environ.get(TREE_GRAPH_ENV, "on") != "off")
-        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, tree-step graphs %s",
+        # the GPU round's bookkeeping (tree step; greedy accept + commit) replays CUDA graphs
+        # (gpu/round_graphs.py) unless CUDA graphs are off for the server or SGLANG_KDTREE_TREE_GRAPH=off
+        self._round_graphs = (not getattr(server_args, "disable_cuda_graph", False)
+                              and os.environ.get(TREE_GRAPH_ENV, "on") != "off")
+        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, round graphs %s",
                     self.budget, self.verify_width, block_size, self.backend.name,
-                    "on" if self._tree_graphs and self.backend.name == "gpu" else "off")
+                    "on" if self._round_graphs and self.backend.name == "gpu" else "off")
 
     @staticmethod
     @contextmanager
@@ -449,7 +449,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self.backend.reserve(bs, self.budget, self.depths, self.vocab_size,
                              mask_bytes=full_mask_numel(int(prefix_cpu.sum()), width, bs))
 
-        # 1-3: draft block -> per-depth top-K -> tree
+        # 1: draft block (then 2-4: per-depth top-K -> tree -> verify inputs)
         draft_hidden = self._draft_block(batch, draft_input, prefix_lens)
         marks.mark("draft")
         faults = self._test_faults(batch) if self._test_faults_path is not None else None
@@ -464,7 +464,7 @@ class KDTreeWorker(DFlashWorkerV2):
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
             trees, verify, draft_logits = self.backend.tree_step(
                 rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots, prefix_lens, seq_lens_sum,
-                graph=self._tree_graphs)
+                graph=self._round_graphs)
             marks.mark("tree_step")
         else:  # tensor parallel (vocab-parallel top-K) or test fault injection: step by step
             logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
@@ -522,7 +522,7 @@ class KDTreeWorker(DFlashWorkerV2):
             # one call; a CUDA graph replay when the verify forward replayed SGLang's (fixed output addresses)
             acc, commit, accepted_hidden = self.backend.accept_commit_greedy(
                 trees, logits, self.depths, verify_slots, pool, hidden, width,
-                graph=self._tree_graphs and bool(target_out.can_run_cuda_graph))
+                graph=self._round_graphs and bool(target_out.can_run_cuda_graph))
             accept_lens = acc.accept_lens.to(torch.int64)
             marks.mark("accept_commit_kv")
         else:
