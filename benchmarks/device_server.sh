@@ -4,15 +4,16 @@
 # $OUT gets steps.txt, table.txt, summary.json, logs.tar.gz (every step and server log, round logs) and
 # jitcache-server.tar.gz; a short table prints last.
 #
-# The call (from the repo root; .whl / .whl-server from ../shared/device/fetch-sglang-wheels.sh):
-#   run(command="bash benchmarks/device_server.sh", carry=[".whl", ".whl-server", ".jitcache-server"],
-#       timeout_s=600, kind="nvidia-h200")
-# .tiny_models (optional, ~1 MB): `python tests/e2e/make_tiny_models.py .tiny_models` built on any machine;
-#   without it the models are built here (about a minute of CPU).
-# .jitcache-server (optional): SGLang's JIT modules a previous call built, returned as
-#   $OUT/jitcache-server.tar.gz (~5 MB; put that file into .jitcache-server/ and carry the folder to skip the
-#   nvcc compiles; the cache checks its own build keys). Carry budget: the wheels are 57.5 MiB of the 64, so
-#   .tiny_models (~2 MB) and .jitcache-server (~5 MB) do not both fit: .jitcache-server saves more.
+# The call, from the repo root, after `python benchmarks/device_carry.py` (which packs .whl / .whl-server from
+# ../shared/device/fetch-sglang-wheels.sh, slimmed, with the prebuilt Marlin JIT modules of .jitcache/sm90a,
+# .jitcache-server's tarball and .tiny_models into one 51 MiB folder):
+#   run(command="KIMI=1 bash benchmarks/device_server.sh", carry=[".dev-carry"], timeout_s=600,
+#       kind="nvidia-h200-x2")
+# Without .dev-carry it falls back to carrying .whl and .whl-server (57.5 MiB; then no room for the Marlin JIT
+# modules: the Kimi-shaped servers compile them for minutes) and builds the tiny models here (about a minute).
+# The call that ran the submitted code (benchmarks/RESULTS.md, "Session 3"):
+#   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
+#   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
 # Knobs: DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KIMI=1 (build the Kimi-shaped target into
@@ -22,7 +23,6 @@
 #   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log").
-# One slimmed carry for all of it: `python benchmarks/device_carry.py`, then carry=[".dev-carry"].
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
