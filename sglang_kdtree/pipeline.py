@@ -289,10 +289,12 @@ class ReferenceBackend:
 
 def bookkeeping_round(backend, draft_logits, budget: int, depth: int, roots, seq_lens, seq_lens_sum: int,
                       target_logits, verify_slots, hidden, temperatures=None, seeds=None):
-    """The backend steps of one round in the worker's order, without the model forwards between them (the
-    startup rehearsal and the bench CLI run it on synthetic inputs): reserve -> top-K -> tree -> verify inputs
-    -> accept (greedy; sampled when ``temperatures`` / ``seeds`` are given) -> commit plan -> accepted hidden
-    rows. Returns ``(trees, verify, accept, plan, hidden_rows)``."""
+    """The backend steps of one round in the worker's order, one by one (as the worker runs them under tensor
+    parallelism or for a sampled batch), without the model forwards between them (the startup rehearsal and
+    the bench CLI run it on synthetic inputs; on one rank the worker groups steps 2-4 in ``tree_step`` and a
+    greedy batch's accept, commit and hidden gather in ``accept_commit_greedy``): reserve -> top-K -> tree ->
+    verify inputs -> accept (greedy; sampled when ``temperatures`` / ``seeds`` are given) -> commit plan ->
+    accepted hidden rows (no KV move: there is no pool). Returns ``(trees, verify, accept, plan, hidden_rows)``."""
     bs, _, vocab = draft_logits.shape
     width = int(budget) + 1
     backend.reserve(bs, budget, depth, vocab, full_mask_numel(seq_lens_sum, width, bs))
