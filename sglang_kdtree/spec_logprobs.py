@@ -50,6 +50,13 @@ def accepted_rows(logits: torch.Tensor, accepted: torch.Tensor, columns: int) ->
     return logits[rows, nodes].reshape(bs * columns, logits.shape[-1])
 
 
+def round_logprobs_bytes(bs: int, columns: int, vocab: int) -> int:
+    """The most transient memory ``round_logprobs`` takes for ``bs`` requests of ``columns`` accepted rows over
+    ``vocab``: the gathered rows, SGLang's temperature-scaled copy and its log-softmax, float32 each (the
+    worker's startup rehearsal reserves it, so a logprob batch cannot run the KV pool's neighbours out)."""
+    return 3 * int(bs) * int(columns) * int(vocab) * 4
+
+
 def round_logprobs(batch, logits_output, logits: torch.Tensor, accepted: torch.Tensor,
                    committed: torch.Tensor) -> None:
     """Fill ``logits_output``'s next-token logprob fields for a KDTREE round (a no-op without

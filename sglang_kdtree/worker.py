@@ -43,7 +43,7 @@ import torch
 
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.pipeline import bookkeeping_round, select_backend, vocab_parallel_topk
-from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs, round_logprobs
+from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs, round_logprobs, round_logprobs_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +181,13 @@ class KDTreeWorker(DFlashWorkerV2):
                                 hidden_size=int(config.hidden_size), hidden_dtype=self._draft_dtype)
         torch.cuda.synchronize()
         peak = torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
-        result = SamplingPrewarmResult(sampling_input_bytes=logits, sampling_headroom_bytes=max(peak, 0) + logits)
+        # a return_logprob batch gathers and log-softmaxes the accepted rows on top (spec_logprobs)
+        logprob_bytes = round_logprobs_bytes(bs, min(self.verify_width, self.depths + 1), self.vocab_size)
+        result = SamplingPrewarmResult(sampling_input_bytes=logits,
+                                       sampling_headroom_bytes=max(peak, 0) + logits + logprob_bytes)
         runner.sampling_prewarm_result = result
-        logger.info("KDTREE round pre-warm: bs=%d peak=%d B (buffers kept for serving)", bs, peak)
+        logger.info("KDTREE round pre-warm: bs=%d peak=%d B (buffers kept for serving), logprob headroom %d B",
+                    bs, peak, logprob_bytes)
         return result
 
     # ------------------------------------------------------------------------------------------------
