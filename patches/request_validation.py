@@ -37,23 +37,30 @@ _UNSERVED_ANY_T = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repe
 _UNSERVED_AT_T = (("min_p", 0.0),)
 
 
-def _sampling_error(req, params) -> str | None:
-    for field, off in _UNSERVED_ANY_T:
+def _first_on(params, fields) -> tuple[str, object] | None:
+    """``(field, value)`` of the first of ``fields`` (``(name, off value)`` pairs) that ``params`` turns on."""
+    for field, off in fields:
         value = getattr(params, field, off)
         if value is not None and float(value) != off:
-            return (f"KDTREE speculative decoding does not apply {field} yet (SGLang's sampler applies it even at "
-                    f"temperature 0, so the output would differ): drop {field} (got {value})")
+            return field, value
+    return None
+
+
+def _sampling_error(req, params) -> str | None:
+    on = _first_on(params, _UNSERVED_ANY_T)
+    if on is not None:
+        return (f"KDTREE speculative decoding does not apply {on[0]} yet (SGLang's sampler applies it even at "
+                f"temperature 0, so the output would differ): drop {on[0]} (got {on[1]})")
     if getattr(params, "logit_bias", None):
         return "KDTREE speculative decoding does not apply logit_bias yet: drop logit_bias"
     if getattr(req, "custom_logit_processor", None):
         return "KDTREE speculative decoding does not run custom logit processors yet: drop custom_logit_processor"
     if getattr(params, "top_k", -1) == 1:  # SGLang's encoding of greedy (temperature 0): the argmax is served
         return None
-    for field, off in _UNSERVED_AT_T:
-        value = getattr(params, field, off)
-        if value is not None and float(value) != off:
-            return (f"KDTREE speculative decoding applies temperature, top_k and top_p only; {field} is not "
-                    f"applied yet: drop {field} (got {value}) or use temperature 0")
+    on = _first_on(params, _UNSERVED_AT_T)
+    if on is not None:
+        return (f"KDTREE speculative decoding applies temperature, top_k and top_p only; {on[0]} is not "
+                f"applied yet: drop {on[0]} (got {on[1]}) or use temperature 0")
     return None
 
 
