@@ -168,9 +168,11 @@ class AcceptCommitGraphs(_Graphs):
         backend = self._backend
         bs = trees.tokens.shape[0]
         n = bs * verify_slots.shape[1]
-        if self._slots is None or self._slots.numel() < n:
-            self._slots = torch.empty(max(n, 2 * (self._slots.numel() if self._slots is not None else 0)),
-                                      dtype=torch.int64, device=backend.device)
+        held = self._slots.numel() if self._slots is not None else 0
+        if held < n:
+            from sglang_kdtree.pipeline import _grown  # the backend's own grow-only rule
+
+            self._slots = torch.empty(_grown(held, n), dtype=torch.int64, device=backend.device)
         slots_in = self._slots[:n].view(bs, -1)
         slots_in.copy_(verify_slots)
         # the storages the steps carve their outputs from must not grow inside a capture: size them first
