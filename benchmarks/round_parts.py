@@ -1,0 +1,163 @@
+"""Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes (issue 12's target).
+
+    python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json]
+
+The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greedy``, the path a CUDA server
+with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay), and
+each of their parts is captured and replayed alone: the draft head GEMM (the drafter's lm_head: part of the
+draft, not of the bookkeeping), top-K + logsumexp, the best-first tree, the verify inputs, the greedy accept,
+the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row
+gather. Times are the median of CUDA-event-timed replays (device time, no host); the floor column is the part's
+bytes over the measured copy bandwidth. Target logits are fp32 ``[bs, N, V]`` whose argmax follows a tree child
+with probability ``--agree`` (a realistic accept length). Needs a CUDA GPU and SGLang (for the pool class).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+
+def _graph_time(fn, iters: int = 30) -> float:
+    """Median device microseconds of one replay of ``fn`` captured in a CUDA graph."""
+    fn()  # compile / size outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, iters)
+
+
+def _time(fn, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _pool(rows: int, layers: int):
+    """An SGLang ``MLATokenToKVPool`` with only what ``compact_kv``'s table reads (as the GPU tests build it)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool.__new__(MLATokenToKVPool)
+    pool.page_size, pool.layer_num, pool.k_scale_buffer = 1, layers, None
+    pool.kv_buffer = [torch.randn((rows, 1, 576), device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    return pool
+
+
+def _target(trees, vocab: int, agree: float, gen) -> torch.Tensor:
+    """fp32 target logits whose argmax at a node is its first child's token with probability ``agree``."""
+    bs, width = trees.tokens.shape
+    logits = torch.randn((bs, width, vocab), device="cuda", generator=gen)
+    parents, tokens = trees.parents.cpu(), trees.tokens.cpu()
+    first_child = torch.full((bs, width), -1, dtype=torch.int64)
+    for b in range(bs):
+        for i in range(int(trees.num_nodes[b]), 0, -1):
+            first_child[b, int(parents[b, i])] = i
+    pick = torch.where(first_child >= 0, tokens.gather(1, first_child.clamp_min(0)),
+                       torch.randint(vocab, (bs, width)))
+    hit = torch.rand((bs, width)) < agree
+    pick = torch.where(hit, pick, torch.randint(vocab, (bs, width))).cuda()
+    logits.scatter_add_(2, pick[:, :, None], torch.full((bs, width, 1), 40.0, device="cuda"))
+    return logits
+
+
+def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float) -> dict:
+    from sglang_kdtree import pipeline
+
+    gen = torch.Generator(device="cuda").manual_seed(bs)
+    width = budget + 1
+    backend = pipeline.GpuBackend("cuda")
+    seq_lens = torch.randint(64, 2048, (bs,), device="cuda", generator=gen)
+    seq_sum = int(seq_lens.sum())
+    backend.reserve(bs, budget, depth, vocab, mask_bytes=pipeline.full_mask_numel(seq_sum, width, bs))
+    weight = (torch.randn((vocab, hidden), device="cuda", generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+    rows = torch.randn((bs * depth, hidden), device="cuda", generator=gen).to(torch.bfloat16) * 4
+    roots = torch.randint(vocab, (bs,), device="cuda", generator=gen)
+    k = min(budget, vocab)
+    out: dict = {"bs": bs}
+
+    # the server's call: input copies + one replay (the first two calls run eagerly and capture)
+    for _ in range(2):
+        trees, verify, draft_logits = backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_sum)
+    out["tree_step graph"] = _time(lambda: backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens,
+                                                             seq_sum))
+    logits = torch.empty((bs * depth, vocab), device="cuda", dtype=torch.bfloat16)
+    out["head GEMM"] = _graph_time(lambda: torch.matmul(rows, weight.t(), out=logits))
+    lg3 = logits.view(bs, depth, vocab)
+    out["top-K"] = _graph_time(lambda: backend.topk(lg3, k))
+    lp, ids = backend.topk(lg3, k)
+    lp, ids = lp.clone(), ids.clone()
+    out["tree"] = _graph_time(lambda: backend.build(lp, ids, budget, roots))
+    trees = backend.build(lp, ids, budget, roots)
+    out["verify inputs"] = _graph_time(lambda: backend.verify_inputs(trees, seq_lens, seq_lens_sum=seq_sum))
+
+    target = _target(trees, vocab, agree, gen)
+    hidden_rows = torch.randn((bs * width, 7168), device="cuda", generator=gen).to(torch.bfloat16)
+    pool = _pool(bs * width * 2 + 64, layers)
+    slots = torch.randperm(bs * width * 2, device="cuda", generator=gen)[: bs * width].view(bs, width)
+    for _ in range(2):
+        acc, plan, _rows = backend.accept_commit_greedy(trees, target, depth, slots, pool, hidden_rows, width,
+                                                        graph=True)
+    out["accept_commit graph"] = _time(lambda: backend.accept_commit_greedy(trees, target, depth, slots, pool,
+                                                                            hidden_rows, width, graph=True))
+    out["accept len"] = float(acc.accept_lens.float().mean())
+    out["accept"] = _graph_time(lambda: backend.accept_greedy(trees, target, depth))
+    acc = backend.accept_greedy(trees, target, depth)
+    lens = acc.accept_lens.to(torch.int64)
+    out["commit plan"] = _graph_time(lambda: backend.commit_plan(acc.accepted, lens, slots))
+    plan = backend.commit_plan(acc.accepted, lens, slots)
+    out["KV compaction"] = _graph_time(lambda: backend.commit_kv(pool, plan))
+    out["hidden gather"] = _graph_time(lambda: backend.gather_hidden(hidden_rows, plan, width))
+    out["errors"] = int(backend.tree_errors.item()) | int(backend.commit_errors.item())
+    out["bookkeeping (graphs)"] = out["tree_step graph"] - out["head GEMM"] + out["accept_commit graph"]
+    return out
+
+
+COLUMNS = ["tree_step graph", "head GEMM", "top-K", "tree", "verify inputs", "accept_commit graph", "accept",
+           "commit plan", "KV compaction", "hidden gather", "bookkeeping (graphs)", "accept len"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=15)
+    ap.add_argument("--vocab", type=int, default=163840)
+    ap.add_argument("--hidden", type=int, default=256, help="draft head width (the Kimi-shaped target's: 256)")
+    ap.add_argument("--layers", type=int, default=3, help="MLA KV layers moved by the compaction")
+    ap.add_argument("--agree", type=float, default=0.75)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("round_parts needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree)
+            for bs in args.batches]
+    print(f"us, median of replays; budget {args.budget}, depth {args.depth}, vocab {args.vocab}, "
+          f"head width {args.hidden}, {args.layers} MLA layers; bookkeeping = tree_step graph - head GEMM + "
+          "accept_commit graph")
+    print("| bs | " + " | ".join(COLUMNS) + " | errors |")
+    print("|---" * (len(COLUMNS) + 2) + "|")
+    for r in rows:
+        print(f"| {r['bs']} | " + " | ".join(f"{r[c]:.1f}" if c != "accept len" else f"{r[c]:.2f}"
+                                            for c in COLUMNS) + f" | {r['errors']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
