@@ -157,9 +157,9 @@ class ReferenceBackend:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype=dtype)
 
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True):
+                  graph: bool = True, mark=None):
         """Draft head -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``'s contract; eager here)."""
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)
+        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
 
     def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
                              graph: bool = False):
@@ -309,11 +309,14 @@ def bookkeeping_round(backend, draft_logits, budget: int, depth: int, roots, seq
     return trees, verify, acc, plan, backend.gather_hidden(hidden, plan, width)
 
 
-def eager_tree_step(backend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int):
-    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns, ``topk`` with
-    ``K = min(budget, vocab)``, ``build``, ``verify_inputs``. Returns ``(trees, verify, draft logits
-    [bs*L, vocab])``."""
-    logits = torch.matmul(rows, weight.t())[:, :vocab]  # the op the GPU backend's graph captures
+def eager_tree_step(backend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
+                    mark=None):
+    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns (then ``mark()``,
+    if given: the drafter's head ends there), ``topk`` with ``K = min(budget, vocab)``, ``build``,
+    ``verify_inputs``. Returns ``(trees, verify, draft logits [bs*L, vocab])``."""
+    logits = torch.matmul(rows, weight.t())[:, :vocab]  # the GEMM the GPU backend's graph path also runs
+    if mark is not None:
+        mark()
     logprobs, ids = backend.topk(logits.unflatten(0, (roots.shape[0], depth)), min(int(budget), int(vocab)))
     trees = backend.build(logprobs, ids, budget, roots)
     return trees, backend.verify_inputs(trees, seq_lens, seq_lens_sum=int(seq_lens_sum)), logits
@@ -432,20 +435,21 @@ class GpuBackend:
                                       error_flag=self.tree_errors)
 
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True):
+                  graph: bool = True, mark=None):
         """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft
         hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``,
-        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum. Returns ``(trees,
-        verify, draft logits [bs*L, vocab] view)``.
+        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum; ``mark()`` (optional)
+        is called once the head GEMM is issued. Returns ``(trees, verify, draft logits [bs*L, vocab] view)``.
 
-        Within a reservation and with ``graph`` on, the steps replay one CUDA graph per batch size
-        (``gpu.round_graphs.TreeStepGraphs``); outside a reservation, or once a capture failed, eagerly."""
+        Within a reservation and with ``graph`` on, the head GEMM runs eagerly into a static buffer and the
+        other steps replay one CUDA graph per batch size (``gpu.round_graphs.TreeStepGraphs``); outside a
+        reservation, or once a capture failed, everything runs eagerly."""
         if graph and self._reserved_for(roots.shape[0], depth, vocab) is not None:
             out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens.to(torch.int64),
-                                         seq_lens_sum)
+                                         seq_lens_sum, mark)
             if out is not None:
                 return out
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)
+        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
 
     def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
                              graph: bool = False):

@@ -318,8 +318,9 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE: the DFlash draft model returned no hidden states")
         return hidden.view(bs, block, -1)
 
-    def _draft_topk(self, draft_hidden, faults=None):
-        """Per-depth top-K log-probs of the target head on draft rows 1..L; vocab-parallel under TP."""
+    def _draft_topk(self, draft_hidden, faults=None, marks=None):
+        """Per-depth top-K log-probs of the target head on draft rows 1..L; vocab-parallel under TP. ``marks``
+        (a ``_RoundMarks``) gets ``draft_head`` after the head GEMM."""
         from sglang.srt.lora.layers import unwrap_lora_layer
         from sglang.srt.runtime_context import get_parallel
 
@@ -328,6 +329,8 @@ class KDTreeWorker(DFlashWorkerV2):
         rows = draft_hidden[:, 1:, :].reshape(-1, hidden_size).to(lm_head.weight.dtype)
         # the head's own dtype (bf16 in serving): both backends read it as it is, no fp32 copy
         local = torch.nn.functional.linear(rows, lm_head.weight)
+        if marks is not None:
+            marks.mark("draft_head")
         for b in (faults or {}).get("draft_nan", ()):  # test-only fault injection (KDTREE_TEST_FAULTS)
             local[b * self.depths, 0] = float("nan")
         shard = getattr(lm_head, "shard_indices", None)
@@ -468,10 +471,10 @@ class KDTreeWorker(DFlashWorkerV2):
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
             trees, verify, draft_logits = self.backend.tree_step(
                 rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots, prefix_lens, seq_lens_sum,
-                graph=self._round_graphs)
+                graph=self._round_graphs, mark=lambda: marks.mark("draft_head"))
             marks.mark("tree_step")
         else:  # tensor parallel (vocab-parallel top-K) or test fault injection: step by step
-            logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults)
+            logprobs, ids, draft_logits = self._draft_topk(draft_hidden, faults, marks)
             marks.mark("topk")
             trees = self.backend.build(logprobs, ids, self.budget, roots)
             marks.mark("build")
@@ -589,14 +592,15 @@ class _RoundMarks:
     """Phase boundaries of one round for the round log: CUDA events on a GPU (read after the round's end),
     the host clock on CPU; does nothing unless the round log is on.
 
-    ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (``tree_step``,
-    or ``topk``, ``build``, ``verify_inputs`` one by one, and SGLang's verify ``prepare`` make ``tree``;
+    ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (the drafter's
+    head GEMM ``draft_head`` belongs to ``draft``; ``tree_step``, or ``topk``, ``build``, ``verify_inputs``
+    one by one, and SGLang's verify ``prepare`` make ``tree``;
     ``accept_commit_kv``, or ``accept`` and ``commit``, then ``features`` and the result's own mark make
     ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
     and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
     close to its device time is bound by the host)."""
 
-    PHASE_OF = {"tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree", "prepare": "tree",
+    PHASE_OF = {"draft_head": "draft", "tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree", "prepare": "tree",
                 "accept_commit_kv": "accept_commit", "accept": "accept_commit", "commit": "accept_commit",
                 "features": "accept_commit"}
 

@@ -140,9 +140,11 @@ def test_tree_step_is_head_gemm_then_topk_then_tree_then_verify_inputs():
     weight[vocab:] = 100.0  # padding rows would win every top-K if they were not cut away
     roots = rng.integers(0, vocab, size=bs)
     seq_lens = np.array([5, 1, 9])
+    marked = []
     trees, verify, logits = ReferenceBackend("cpu").tree_step(
         torch.from_numpy(rows), torch.from_numpy(weight), vocab, depths, budget, torch.from_numpy(roots),
-        torch.from_numpy(seq_lens), int(seq_lens.sum()))
+        torch.from_numpy(seq_lens), int(seq_lens.sum()), mark=lambda: marked.append("draft_head"))
+    assert marked == ["draft_head"]  # the drafter's head ends once, before the bookkeeping
     expect_logits = (rows.astype(np.float64) @ weight.T.astype(np.float64))[:, :vocab]
     np.testing.assert_allclose(logits.numpy(), expect_logits, rtol=1e-5, atol=1e-5)
     ref_lp, ref_ids = reference.topk_logprobs(logits.numpy().reshape(bs, depths, vocab), budget)

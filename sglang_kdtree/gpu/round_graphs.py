@@ -1,8 +1,10 @@
 """CUDA graphs of the round's bookkeeping on the GPU backend, so the host issues one replay per step instead of
 a GEMM, several kernel launches and their argument checks (in a server the GPU otherwise waits for Python).
 
-* ``TreeStepGraphs``: draft head GEMM -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``). Static
-  inputs: the draft rows, the roots and the committed lengths, copied into buffers before each replay.
+* ``TreeStepGraphs``: top-K -> tree -> verify inputs (``GpuBackend.tree_step``), after the draft head GEMM,
+  which runs eagerly (one cuBLAS call) into a static logits buffer, so the round log can time the drafter's
+  head apart from the bookkeeping. Static inputs: those logits, the roots and the committed lengths, copied
+  into buffers before each replay.
 * ``AcceptCommitGraphs``: greedy accept -> commit plan -> KV compaction -> accepted hidden rows
   (``GpuBackend.accept_commit_greedy``), used only when the target's verify replayed SGLang's own graph, whose
   logits and hidden states then sit at the same addresses in every round of that batch size. Static input:
@@ -95,28 +97,28 @@ class _Graphs:
 
 
 class TreeStepGraphs(_Graphs):
-    """``GpuBackend.tree_step`` replayed: head GEMM into a logits buffer, top-K and tree into the reserved
-    ``TreeBuilder``, verify inputs into its verify buffers."""
+    """``GpuBackend.tree_step``: the head GEMM into a static logits buffer, then top-K and tree into the reserved
+    ``TreeBuilder`` and verify inputs into its verify buffers, replayed."""
 
     kind = "tree-step"
 
     def __init__(self, backend):
         super().__init__(backend)
-        self._rows = self._logits = self._roots = self._seq = None
+        self._logits = self._roots = self._seq = None
 
     def _inputs(self, max_batch: int, depth: int, weight):
         cap = max_batch * depth
         dev = self._backend.device
-        if (self._rows is None or self._rows.shape[0] < cap or self._rows.shape[1] != weight.shape[1]
-                or self._rows.dtype != weight.dtype or self._logits.shape[1] != weight.shape[0]
-                or self._roots.shape[0] < max_batch):
-            self._rows = torch.empty((cap, weight.shape[1]), dtype=weight.dtype, device=dev)
+        if (self._logits is None or self._logits.shape[0] < cap or self._logits.dtype != weight.dtype
+                or self._logits.shape[1] != weight.shape[0] or self._roots.shape[0] < max_batch):
             self._logits = torch.empty((cap, weight.shape[0]), dtype=weight.dtype, device=dev)
             self._roots = torch.empty(max_batch, dtype=torch.int64, device=dev)
             self._seq = torch.empty(max_batch, dtype=torch.int64, device=dev)
 
-    def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int):
-        """``(trees, verify, draft logits [bs*L, vocab])`` or None when graphs are off."""
+    def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
+             mark=None):
+        """``(trees, verify, draft logits [bs*L, vocab])`` or None when graphs are off; ``mark()`` (optional) is
+        called once the head GEMM is issued."""
         if self.disabled_reason is not None:
             return None
         self._check_builder()
@@ -129,18 +131,18 @@ class TreeStepGraphs(_Graphs):
         if budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
             return None  # not within the reservation: the caller runs the steps eagerly
         self._inputs(builder.max_batch, depth, weight)
-        rows_in, logits = self._rows[: bs * depth], self._logits[: bs * depth]
-        roots_in, seq_in = self._roots[:bs], self._seq[:bs]
-        rows_in.copy_(rows)
+        logits, roots_in, seq_in = self._logits[: bs * depth], self._roots[:bs], self._seq[:bs]
+        torch.matmul(rows, weight.t(), out=logits)  # the drafter's head, eagerly (cuBLAS)
+        if mark is not None:
+            mark()
         roots_in.copy_(roots)
         seq_in.copy_(seq_lens)
         k = min(int(budget), int(vocab))
         verify_buf = builder.verify
         key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
-               weight.data_ptr(), rows_in.data_ptr(), logits.data_ptr())
+               logits.data_ptr(), logits.shape[1])
 
         def body():
-            torch.matmul(rows_in, weight.t(), out=logits)
             lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)
             trees = backend.build(lp, ids, budget, roots_in)
             # the FULL_MASK kernel takes its offsets from seq_in on the device; the host size only cuts the view
