@@ -50,6 +50,7 @@ __all__ = [
     "ancestor_bits_to_bool",
     "accept_greedy",
     "filter_top_k_top_p",
+    "sampling_weights",
     "sample_node_tokens",
     "accept_sampled",
     "commit_plan",
@@ -617,15 +618,28 @@ def accept_greedy(trees: TreeBatch, target_logits, max_depth: int | None = None)
     return _walk(trees, target_tokens, max_depth)
 
 
-def filter_top_k_top_p(p, top_k: int | None = None, top_p: float | None = None) -> np.ndarray:
-    """SGLang's top-k / top-p filter of float64 probability rows ``[..., V]``: order each row by probability
-    (descending, equal probabilities lower token id first), keep rank ``r`` iff ``r < top_k`` and the mass of
-    the ranks before it is ``<= top_p``, zero the rest and renormalise. ``None`` (or ``top_k >= V``,
-    ``top_p >= 1``) leaves that filter off; the top token is always kept."""
+def filter_top_k_top_p(p, top_k: int | None = None, top_p: float | None = None,
+                       min_p: float | None = None) -> np.ndarray:
+    """SGLang's top-k / top-p / min-p filter of float64 probability rows ``[..., V]`` (one definition of the
+    rules, used by ``sample_node_tokens``): order each row by probability (descending, equal probabilities
+    lower token id first) and keep rank ``r`` iff
+
+    * top-k: ``r < top_k``;
+    * top-p: the mass of the ranks before it is ``<= top_p * (row mass)`` (torch's ``probs_sum - probs_sort >
+      top_p`` zeroing, on a row that need not sum to 1);
+    * min-p: its probability is ``>= min_p * (the row's largest probability)`` (SGLang's ``probs <
+      probs_sort[:, 0] * min_ps`` zeroing; the top token passes top-k and top-p, so after them the largest
+      probability is still the row max);
+
+    zero the rest and renormalise. The kept set is the intersection of three prefixes of the sorted order,
+    so the order in which SGLang applies the filters does not matter. ``None`` (or ``top_k >= V``,
+    ``top_p >= 1``, ``min_p <= 0`` or NaN) leaves that filter off; ``min_p > 1`` counts as 1 (SGLang refuses
+    it at admission; 1 keeps the tokens tied with the max). The top token is always kept."""
     p = np.asarray(p, dtype=np.float64)
     v = p.shape[-1]
     k = v if top_k is None else max(1, min(int(top_k), v))
-    if k >= v and (top_p is None or top_p >= 1.0):
+    mp = None if min_p is None or not float(min_p) > 0.0 else min(float(min_p), 1.0)
+    if k >= v and (top_p is None or top_p >= 1.0) and mp is None:
         return p / p.sum(axis=-1, keepdims=True)
     flat = p.reshape(-1, v)
     out = np.zeros_like(flat)
@@ -636,20 +650,47 @@ def filter_top_k_top_p(p, top_k: int | None = None, top_p: float | None = None) 
         keep = ids < k
         if top_p is not None and top_p < 1.0:
             keep &= (np.cumsum(ps) - ps) <= top_p * ps.sum()
+        if mp is not None:
+            keep &= ps >= mp * ps[0]
         out[row, order[keep]] = ps[keep]
     return (out / out.sum(axis=1, keepdims=True)).reshape(p.shape)
 
 
+def _filters_on(v: int, top_k, top_p, min_p) -> bool:
+    return ((top_k is not None and top_k < v) or (top_p is not None and top_p < 1.0)
+            or (min_p is not None and float(min_p) > 0.0))
+
+
+def sampling_weights(target_logits, temperature: float, top_k: int | None = None, top_p: float | None = None,
+                     min_p: float | None = None) -> np.ndarray:
+    """The float64 weights ``sample_node_tokens`` draws from, ``[..., V]``: ``exp(x / T - max(x / T))`` (the top
+    token's weight is exactly 1), then ``filter_top_k_top_p`` when a filter is on (renormalised then; the
+    unfiltered weights are not). Zero weight = never drawn.
+
+    Min-p on these weights is therefore ``exp(x_i / T - x_max / T) >= min_p`` in float64, with ``x`` the
+    float64 value of each float32 logit, ``x_i / T`` and ``x_max / T`` each rounded once and ``exp`` numpy's:
+    the GPU kernel (``kernels/tree_accept.cu``, ``min_p_threshold``) evaluates this same expression with
+    CUDA's double ``exp``, so the two agree on every token except one whose ``exp`` lies within the two
+    libraries' ``exp`` error (about 2^-52 relative) of ``min_p``."""
+    t = np.asarray(target_logits)
+    x = t.astype(np.float64) / float(temperature)
+    x -= x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    if _filters_on(t.shape[-1], top_k, top_p, min_p):
+        p = filter_top_k_top_p(p, top_k, top_p, min_p)
+    return p
+
+
 def sample_node_tokens(target_logits, temperature: float, rng: np.random.Generator, top_k: int | None = None,
-                       top_p: float | None = None) -> np.ndarray:
+                       top_p: float | None = None, min_p: float | None = None) -> np.ndarray:
     """Sample one token per node independently from ``softmax(logits / T)``, filtered by ``top_k`` / ``top_p``
-    as SGLang's sampler does (``filter_top_k_top_p``; off by default).
+    / ``min_p`` as SGLang's sampler does (``sampling_weights``, ``filter_top_k_top_p``; off by default).
 
     Args:
         target_logits: ``[bs, N, V]`` float logits.
         temperature: T > 0.
         rng: an explicit ``numpy.random.Generator``; draws ``bs*N`` uniforms in row-major node order.
-        top_k, top_p: the request's filters (``top_k = 1``: the argmax, lower id on ties).
+        top_k, top_p, min_p: the request's filters (``top_k = 1``: the argmax, lower id on ties).
 
     Returns:
         ``[bs, N]`` int64 sampled tokens (inverse-CDF on float64 probabilities, in token-id order).
@@ -661,11 +702,7 @@ def sample_node_tokens(target_logits, temperature: float, rng: np.random.Generat
         raise ValueError(f"target_logits must be [bs, N, V], got shape {t.shape}")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and np.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0 for sampling, got {temperature!r}")
-    x = t.astype(np.float64) / float(temperature)
-    x -= x.max(axis=-1, keepdims=True)
-    p = np.exp(x)
-    if (top_k is not None and top_k < t.shape[-1]) or (top_p is not None and top_p < 1.0):
-        p = filter_top_k_top_p(p, top_k, top_p)
+    p = sampling_weights(t, temperature, top_k, top_p, min_p)
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(t.shape[:2]) * cdf[..., -1]
     out = np.empty(t.shape[:2], dtype=np.int64)
