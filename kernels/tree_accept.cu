@@ -11,7 +11,7 @@
 //   * logits [bs*N, ld] fp32/bf16, greedy (accept_logits_*): argmax is fused and lazy: only the rows on
 //     the accepted path (tau <= L+1 of N) are ever read, instead of all bs*N rows of a separate argmax;
 //   * logits, sampled (accept_sampled_*): the same lazy walk, but the token at each visited node is a
-//     sample of softmax(logits/T) restricted by SGLang's top-k / top-p. Sampling only the visited nodes
+//     sample of softmax(logits/T) restricted by SGLang's top-k / top-p / min-p. Sampling only the visited nodes
 //     has the same distribution as sampling every node and then walking (unvisited draws never matter).
 //
 // Errors: each block gathers its request's bits in shared memory and stores them to errors[b] (int64 [bs];
@@ -116,12 +116,57 @@ __device__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
   return ctr;
 }
 
-// Order key of a vocabulary entry for top-k / top-p: logit descending, then token id ascending, as one
-// unsigned 64-bit integer (larger key = earlier in the sorted order; all keys distinct).
-__device__ __forceinline__ u64 order_key(float x, i64 id) {
+// Monotone map of a float's bits to u32 (x < y as floats => mono(x) < mono(y); -0.0 just below +0.0) and back.
+__device__ __forceinline__ u32 mono_bits(float x) {
   u32 b = __float_as_uint(x);
-  u32 mono = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return ((u64)mono << 32) | (u64)(0xFFFFFFFFu - (u32)id);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float from_mono(u32 k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Order key of a vocabulary entry for top-k / top-p / min-p: logit descending, then token id ascending, as
+// one unsigned 64-bit integer (larger key = earlier in the sorted order; all keys distinct).
+__device__ __forceinline__ u64 order_key(float x, i64 id) {
+  return ((u64)mono_bits(x) << 32) | (u64)(0xFFFFFFFFu - (u32)id);
+}
+
+// SGLang's min-p test of one logit x against the row max m: p_x >= min_p * p_max with p = softmax(x / T),
+// i.e. exp(x/T - m/T) >= min_p, evaluated in float64 with exactly the operations of
+// reference.sampling_weights (x/T and m/T each rounded once, their difference rounded once, exp, compare;
+// the module is compiled with -fmad=false, so nothing is contracted). Only CUDA's double exp differs from
+// numpy's (each within 1 ulp): the two disagree only for a token whose exp lies within ~2^-52 of min_p.
+__device__ __forceinline__ bool min_p_keeps(float x, float m, double t, double min_p) {
+  return exp((double)x / t - (double)m / t) >= min_p;
+}
+
+// The min-p kept set is a prefix of the sorted order, {x >= x_thr}: returns mono_bits(x_thr) for the smallest
+// finite float x_thr that min_p_keeps (m itself always does: exp(0) = 1 >= min_p for min_p <= 1). A bisection
+// over the monotone bit order of the finite floats <= m, narrowed first by probes 4 floats either side of
+// the estimate m + T log(min_p) (the boundary lies between them unless the estimate's rounding is unusually
+// far off: then the bisection just takes longer): about 5 double exp per row. Every thread computes the same
+// value (no shared memory, no sync).
+__device__ u32 min_p_threshold(float m, float temperature, float min_p) {
+  const double t = (double)temperature, mp = (double)min_p;
+  u32 lo = mono_bits(-__int_as_float(0x7f800000));  // -inf: never kept (exp(-inf) = 0 < min_p), below all finite
+  u32 hi = mono_bits(m);                            // always kept
+  const double est = (double)m + t * log(mp);  // NaN when T = inf and min_p = 1: then the full range
+  u32 c = est >= -3.4028234663852886e38 ? mono_bits((float)est) : lo + 1;  // lo + 1 = -FLT_MAX
+  c = c < hi ? c : hi;
+  if (c > lo + 4) {  // each probe narrows [lo, hi] from one side, keeping lo not kept and hi kept
+    if (min_p_keeps(from_mono(c - 4), m, t, mp)) hi = c - 4;
+    else lo = c - 4;
+  }
+  if (c + 4 < hi) {
+    if (min_p_keeps(from_mono(c + 4), m, t, mp)) hi = c + 4;
+    else lo = c + 4;
+  }
+  while (hi - lo > 1) {
+    const u32 mid = lo + (hi - lo) / 2;
+    if (min_p_keeps(from_mono(mid), m, t, mp)) hi = mid;
+    else lo = mid;
+  }
+  return hi;
 }
 
 // Sampling weight in 2^-44 fixed point relative to the row max: exp((x - m) / T) in [0, 1] scaled, so a
@@ -156,14 +201,17 @@ __device__ i64 row_argmax(const Elem* row, i64 V, bool vec_ok, SampleScratch& s,
   return bi == 0x7fffffffffffffffLL ? 0 : bi;
 }
 
-// One sample from softmax(row / T) restricted to SGLang's top-k / top-p kept set:
-// sorted by (logit desc, id asc), token at sorted rank r is kept iff r < top_k and the mass of ranks < r is
-// <= top_p (torch's `probs_sum - probs_sort > top_p` zeroing). The kept set's last key is found by an
-// 8-level radix descent on the 64-bit order key with count and mass histograms; then an inverse-CDF in
-// token-id order over the kept weights picks the token for a 64-bit Philox uniform.
+// One sample from softmax(row / T) restricted to SGLang's top-k / top-p / min-p kept set:
+// sorted by (logit desc, id asc), token at sorted rank r is kept iff r < top_k, the mass of ranks < r is
+// <= top_p (torch's `probs_sum - probs_sort > top_p` zeroing) and min_p_keeps (its probability is >= min_p
+// times the top token's; min_p <= 0 or NaN: off, > 1: 1). The top-k / top-p kept set's last key is found by an
+// 8-level radix descent on the 64-bit order key with count and mass histograms; the min-p set is the keys
+// >= min_p_threshold's, and the kept set, their intersection, is the larger of the two bounds (its mass
+// recounted by one more pass when min-p cuts deeper); then an inverse-CDF in token-id order over the kept
+// weights picks the token for a 64-bit Philox uniform.
 template <typename Elem>
 __device__ i64 row_sample(const Elem* row, i64 V, bool vec_ok, float temperature, i64 top_k, float top_p,
-                          uint4 ctr, uint2 key, SampleScratch& s, int* errors) {
+                          float min_p, uint4 ctr, uint2 key, SampleScratch& s, int* errors) {
   // 1. row max (the softmax shift)
   float m = -__int_as_float(0x7f800000);
   i64 mi = 0x7fffffffffffffffLL;
@@ -247,6 +295,18 @@ __device__ i64 row_sample(const Elem* row, i64 V, bool vec_ok, float temperature
       __syncthreads();
     }
     key_min = prefix;
+  }
+  // 3b. min-p: the kept set shrinks to {x >= x_thr} when that bound is tighter; its mass is summed again
+  if (min_p > 0.0f) {
+    const u64 key_mp = (u64)min_p_threshold(m, temperature, fminf(min_p, 1.0f)) << 32;  // any id of x_thr
+    if (key_mp > key_min) {
+      key_min = key_mp;
+      u64 km = 0;
+      for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
+        if (x == x && order_key(x, i) >= key_min) km += weight(x, m, inv_t);
+      });
+      kept = block_sum_u64(km, s.wsum);
+    }
   }
   // 4. u uniform in [0, kept); the token is the first id whose running kept weight exceeds u.
   uint4 r = philox4x32_10(ctr, key);
@@ -372,7 +432,8 @@ extern "C" __global__ void __launch_bounds__(256) accept_ids(const i64* tokens, 
 template <typename Elem, bool SAMPLED>
 __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const i64* num_nodes, const Elem* logits,
                                    i64 V, i64 ld, const i64* seq_lens, const float* temperatures,
-                                   const i64* top_ks, const float* top_ps, const i64* seeds, int N, int M, int C,
+                                   const i64* top_ks, const float* top_ps, const float* min_ps, const i64* seeds,
+                                   int N, int M, int C,
                                    i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
                                    i64* new_seq_lens, i64* errors_out) {
   __shared__ short par[MAX_WIDTH];
@@ -386,7 +447,7 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
   __syncthreads();
   const i64* tok = tokens + (i64)b * N;
   const bool vec_ok = (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
-  float temperature = 0.0f, top_p = 1.0f;
+  float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
   i64 top_k = V;
   uint2 key = make_uint2(0, 0);
   u64 position = 0;
@@ -394,6 +455,7 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
     temperature = temperatures[b];
     top_k = top_ks != nullptr ? top_ks[b] : V;
     top_p = top_ps != nullptr ? top_ps[b] : 1.0f;
+    min_p = min_ps != nullptr ? min_ps[b] : 0.0f;
     key = make_uint2((u32)seeds[b], (u32)((u64)seeds[b] >> 32));
     position = (u64)seq_lens[b];
   }
@@ -408,7 +470,7 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
       // does not depend on the node's index, so it is the same whatever the tree's shape or numbering
       const u64 pos = position + (u64)tau;
       uint4 ctr = make_uint4(0u, (u32)pos, (u32)(pos >> 32), 0x6b647472u);
-      choice = row_sample(row, V, vec_ok, temperature, top_k, top_p, ctr, key, scratch, errors);
+      choice = row_sample(row, V, vec_ok, temperature, top_k, top_p, min_p, ctr, key, scratch, errors);
     } else {
       choice = row_argmax(row, V, vec_ok, scratch, errors);
     }
@@ -439,11 +501,12 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
   extern "C" __global__ void __launch_bounds__(1024) NAME(const i64* tokens, const i64* parents, const i64* num_nodes,               \
                                   const ELEM* logits, i64 V, i64 ld, const i64* seq_lens,                     \
                                   const float* temperatures, const i64* top_ks, const float* top_ps,          \
-                                  const i64* seeds, int N, int M, int C, i64* accepted, i64* accept_lens,     \
-                                  i64* bonus_out, i64* committed, i64* new_seq_lens, i64* errors) {           \
+                                  const float* min_ps, const i64* seeds, int N, int M, int C, i64* accepted,  \
+                                  i64* accept_lens, i64* bonus_out, i64* committed, i64* new_seq_lens,        \
+                                  i64* errors) {                                                              \
     accept_logits_impl<ELEM, SAMPLED>(tokens, parents, num_nodes, logits, V, ld, seq_lens, temperatures,     \
-                                      top_ks, top_ps, seeds, N, M, C, accepted, accept_lens, bonus_out,      \
-                                      committed, new_seq_lens, errors);                                      \
+                                      top_ks, top_ps, min_ps, seeds, N, M, C, accepted, accept_lens,         \
+                                      bonus_out, committed, new_seq_lens, errors);                           \
   }
 
 ACCEPT_LOGITS_ENTRY(accept_logits_f32, float, false)

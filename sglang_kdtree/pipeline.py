@@ -18,8 +18,8 @@ Both take and return torch tensors on the worker's device with the same shapes a
 * ``verify_inputs(trees, seq_lens [bs], seq_lens_sum)`` -> ``input_ids/positions [bs*N]``, ``full_mask``
   (SGLang FULL_MASK), ``ancestor_bits``, ``retrieve_*``;
 * ``accept_greedy(trees, logits [bs, N, V], max_depth)`` / ``accept_sampled(..., temperatures, seeds,
-  seq_lens, max_depth, top_ks=None, top_ps=None)`` -> ``accepted [bs, L+1]``, ``accept_lens [bs]`` (tau, bonus included),
-  ``bonus [bs]``, ``committed [bs, L+1]``;
+  seq_lens, max_depth, top_ks=None, top_ps=None, min_ps=None)`` -> ``accepted [bs, L+1]``, ``accept_lens [bs]``
+  (tau, bonus included), ``bonus [bs]``, ``committed [bs, L+1]``;
 * ``commit_plan(accepted, accept_lens, verify_slots [bs, N])`` -> ``src_slots/dst_slots/hidden_rows``;
 * ``commit_kv(pool, plan)`` moves the accepted KV rows; ``gather_hidden(hidden, plan, width)`` -> the accepted
   rows' hidden states ``[bs, min(L+1, N), D]``;
@@ -117,11 +117,13 @@ def _sampling_inputs(temperatures, seeds, seq_lens):
             _np(seq_lens).reshape(-1).astype(np.int64))
 
 
-def _filters(top_ks, top_ps, bs: int):
-    """Per-request ``(top_k, top_p)`` host lists (``None`` where a filter is not given)."""
+def _filters(top_ks, top_ps, bs: int, min_ps=None):
+    """Per-request ``(top_k, top_p, min_p)`` host lists (``None`` where a filter is not given); float32
+    values are kept exact (the GPU kernel reads the same float32 ``top_p`` / ``min_p``)."""
     ks = [None] * bs if top_ks is None else [int(k) for k in _np(top_ks).reshape(-1)]
     ps = [None] * bs if top_ps is None else [float(p) for p in _np(top_ps.float()).reshape(-1)]
-    return ks, ps
+    mps = [None] * bs if min_ps is None else [float(p) for p in _np(min_ps.float()).reshape(-1)]
+    return ks, ps, mps
 
 
 #: fault bits, shared with the kernels: draft log-probs (``gpu.topk.TOPK_ERRORS``) and target logits
@@ -225,10 +227,10 @@ class ReferenceBackend:
         return self._accept(reference.accept_greedy(_tree_batch(trees), x, max_depth), bad)
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth, top_ks=None,
-                       top_ps=None) -> TorchAccept:
+                       top_ps=None, min_ps=None) -> TorchAccept:
         """T > 0 walk: every node's token is drawn from ``softmax(logits / T)`` filtered by the request's
-        ``top_ks`` / ``top_ps`` as SGLang's sampler does (``reference.sample_node_tokens``), with the uniform
-        ``position_uniform(seed, P + depth + 1)`` of the position it generates, then the ``reference`` walk.
+        ``top_ks`` / ``top_ps`` / ``min_ps`` as SGLang's sampler does (``reference.sample_node_tokens``), with the
+        uniform ``position_uniform(seed, P + depth + 1)`` of the position it generates, then the ``reference`` walk.
         Rows with ``temperatures[b] <= 0`` or ``top_ks[b] == 1`` (SGLang's encoding of a greedy request in a
         sampled batch) are greedy.
 
@@ -240,7 +242,7 @@ class ReferenceBackend:
         tb = _tree_batch(trees)
         logits_np, bad = self._screen_target(logits)
         temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
-        ks, ps = _filters(top_ks, top_ps, tb.tokens.shape[0])
+        ks, ps, mps = _filters(top_ks, top_ps, tb.tokens.shape[0], min_ps)
         parts = []
         for b in range(tb.tokens.shape[0]):
             one = reference.TreeBatch(tb.tokens[b : b + 1], tb.depths[b : b + 1], tb.parents[b : b + 1],
@@ -250,23 +252,24 @@ class ReferenceBackend:
                 continue
             uniforms = np.array([[position_uniform(seeds_np[b], lens[b] + d + 1) for d in tb.depths[b]]])
             node_tokens = reference.sample_node_tokens(logits_np[b : b + 1], float(temps[b]), _Uniforms(uniforms),
-                                                       top_k=ks[b], top_p=ps[b])
+                                                       top_k=ks[b], top_p=ps[b], min_p=mps[b])
             parts.append(reference.accept_greedy(one, node_tokens, max_depth))
         return TorchAccept(*(self._t(np.concatenate([getattr(p, f) for p in parts]))
                              for f in ("accepted", "accept_lens", "bonus", "committed")), errors=self._t(bad))
 
-    def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None) -> torch.Tensor:
+    def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None,
+                      min_ps=None) -> torch.Tensor:
         """One token per row from ``softmax(logits / T)`` (filtered like ``accept_sampled``) with the uniform of
         the position it generates, ``position_uniform(seed, seq_len)`` (the same key ``accept_sampled`` uses):
         ``[bs, V]`` -> ``[bs]``."""
         logits_np = _np(logits.float())
         temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
-        ks, ps = _filters(top_ks, top_ps, len(temps))
+        ks, ps, mps = _filters(top_ks, top_ps, len(temps), min_ps)
         out = np.empty(len(temps), dtype=np.int64)
         for b in range(len(temps)):
             u = np.array([[position_uniform(seeds_np[b], lens[b])]])
             out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), _Uniforms(u),
-                                                  top_k=ks[b], top_p=ps[b])[0, 0]
+                                                  top_k=ks[b], top_p=ps[b], min_p=mps[b])[0, 0]
         return self._t(out)
 
     def commit_plan(self, accepted, accept_lens, verify_slots) -> TorchCommitPlan:
@@ -493,14 +496,18 @@ class GpuBackend:
     def accept_greedy(self, trees, logits, max_depth):
         return self._accept.accept_greedy(trees, logits, max_depth, out=self._accept_out(trees, max_depth))
 
-    def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth, top_ks=None, top_ps=None):
+    def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth, top_ks=None, top_ps=None,
+                       min_ps=None):
         return self._accept.accept_sampled(trees, logits, temperatures, seeds, seq_lens.to(torch.int64), max_depth,
-                                           top_ks=top_ks, top_ps=top_ps, out=self._accept_out(trees, max_depth))
+                                           top_ks=top_ks, top_ps=top_ps, min_ps=min_ps,
+                                           out=self._accept_out(trees, max_depth))
 
-    def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None) -> torch.Tensor:
+    def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None,
+                      min_ps=None) -> torch.Tensor:
         # Rare (a seeded request's prefill token outside deterministic mode): the reference sampler on a
         # host copy keeps one definition of the seeded draw.
-        return ReferenceBackend(self.device).sample_tokens(logits, temperatures, seeds, seq_lens, top_ks, top_ps)
+        return ReferenceBackend(self.device).sample_tokens(logits, temperatures, seeds, seq_lens, top_ks, top_ps,
+                                                           min_ps)
 
     def commit_plan(self, accepted, accept_lens, verify_slots):
         storage = self._storage("_plan_storage", 3 * accepted.numel())

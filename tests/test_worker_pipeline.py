@@ -129,6 +129,44 @@ def test_reference_accept_sampled_honours_top_k_and_top_p_per_request():
     assert len(set(free)) > 1  # the unfiltered request really samples (flat target: many likely tokens)
 
 
+def test_reference_backend_applies_min_p_per_request():
+    """min_ps per request: 1 is the greedy walk (no ties in these logits), 0 is off (the very draws of a call
+    without min_ps), 0.3 commits only tokens of the min-p kept set of the row each was drawn from; the prefill
+    redraw (``sample_tokens``) filters the same way."""
+    rng = np.random.default_rng(9)
+    backend = ReferenceBackend("cpu")
+    draft = torch.from_numpy(rng.normal(size=(3, 4, 40)).astype(np.float32))
+    lp, ids = backend.topk(draft, 6)
+    trees = backend.build(lp, ids, 6, torch.tensor([1, 2, 3]))
+    target = torch.from_numpy(rng.normal(size=(3, 7, 40)).astype(np.float32))
+    greedy = backend.accept_greedy(trees, target, 4)
+    temps, lens = torch.full((3,), 1.5), torch.tensor([9, 9, 9])
+
+    def kept(row, min_p):
+        return set(np.flatnonzero(reference.sampling_weights(row[None, None], 1.5, min_p=min_p)[0, 0] > 0).tolist())
+
+    seen = set()
+    for s in range(30):
+        seeds = torch.tensor([5, 6, s])
+        acc = backend.accept_sampled(trees, target, temps, seeds, lens, 4, min_ps=torch.tensor([1.0, 0.0, 0.3]))
+        plain = backend.accept_sampled(trees, target, temps, seeds, lens, 4)
+        assert torch.equal(acc.committed[0], greedy.committed[0]) and acc.accept_lens[0] == greedy.accept_lens[0]
+        assert torch.equal(acc.committed[1], plain.committed[1]) and acc.accept_lens[1] == plain.accept_lens[1]
+        tau = int(acc.accept_lens[2])
+        for j in range(tau):  # committed[j] was drawn at accepted node j
+            row = target[2, int(acc.accepted[2, j])].numpy()
+            assert int(acc.committed[2, j]) in kept(row, 0.3)
+        seen.add(int(acc.committed[2, 0]))
+    root = target[2, 0].numpy()
+    assert len(kept(root, 0.3)) < 40 and len(seen) > 1  # the filter cuts, and the request still samples
+    rows = target[:, 0]
+    for s in range(20):
+        drawn = backend.sample_tokens(rows, temps, torch.tensor([s, s, s]), lens, min_ps=torch.tensor([1.0, 0.3, 0.0]))
+        assert int(drawn[0]) == int(rows[0].argmax())
+        assert int(drawn[1]) in kept(rows[1].numpy(), 0.3)
+        assert int(drawn[2]) == int(backend.sample_tokens(rows, temps, torch.tensor([s, s, s]), lens)[2])
+
+
 def test_tree_step_is_head_gemm_then_topk_then_tree_then_verify_inputs():
     """``tree_step`` (the worker's one call for steps 2-4) on the reference backend against numpy: the head GEMM
     over a padded lm_head cut to the real vocabulary, top-K with K = min(budget, vocab), the tree, its verify

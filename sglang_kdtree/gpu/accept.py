@@ -250,7 +250,7 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
             _kernel(name)(
                 (bs,), (_ACCEPT_THREADS_LOGITS,),
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
-                 _ptr(seq_lens), _ptr(None), _ptr(None), _ptr(None), _ptr(None), *dims, *common_out),
+                 _ptr(seq_lens), _ptr(None), _ptr(None), _ptr(None), _ptr(None), _ptr(None), *dims, *common_out),
             )
     return res
 
@@ -265,14 +265,20 @@ def accept_sampled(
     *,
     top_ks=None,
     top_ps=None,
+    min_ps=None,
     out=None,
 ) -> GPUAcceptResult:
     """T > 0 accept walk, twin of ``reference.accept_sampled`` (same walk, counter-based RNG).
 
     At every visited node the token is drawn from ``softmax(logits / T)`` restricted like SGLang's
-    ``top_k_top_p`` sampling: sort by probability (ties: lower token id first), keep rank r iff
-    ``r < top_k`` and the probability mass of ranks ``< r`` is ``<= top_p``, renormalise. The draw is a
-    pure function of ``(seeds[b], P + depth + 1)`` (Philox4x32-10), the absolute position of the token it
+    ``top_k_top_p_min_p`` sampling: sort by probability (ties: lower token id first), keep rank r iff
+    ``r < top_k``, the probability mass of ranks ``< r`` is ``<= top_p`` and (min-p) its probability is
+    ``>= min_p`` times the top token's, renormalise. The min-p test is ``reference.sampling_weights``'s, in
+    float64: ``exp(x / T - x_max / T) >= min_p`` (the kernel finds the smallest float logit that passes it,
+    ``min_p_threshold``); it agrees with the reference except for a token whose ``exp`` lies within the two
+    ``exp`` implementations' error (~2^-52 relative) of ``min_p`` (min-p costs one more pass over the row
+    when it cuts deeper than top-k / top-p). The draw is a pure function of ``(seeds[b], P + depth + 1)``
+    (Philox4x32-10), the absolute position of the token it
     draws (as ``pipeline.ReferenceBackend`` keys its uniforms): independent of the tree's shape and node
     numbering, reproducible, and successive rounds (seq_len grows) draw at new positions. Weights are 2^-44 fixed point relative to the row max:
     tokens below ``2^-44`` of the top token's probability are never drawn. Requests with ``T <= 0``
@@ -287,6 +293,9 @@ def accept_sampled(
         max_depth: as in ``accept_greedy``.
         top_ks: optional ``[bs]`` int64 (or int32) top-k (>= 1; SGLang's "off" value 1 << 30 is fine).
         top_ps: optional ``[bs]`` float32 top-p in (0, 1].
+        min_ps: optional ``[bs]`` float32 min-p in [0, 1] (SGLang's ``SamplingBatchInfo.min_ps``; 0 = off). The
+            values are read on the device only (no sync): ``<= 0`` or NaN is off, ``> 1`` counts as 1 (SGLang
+            refuses values outside [0, 1] at admission). None: off for every request (no extra pass).
         out: optional preallocated ``GPUAcceptResult``.
     """
     import numpy as np
@@ -312,6 +321,11 @@ def accept_sampled(
         if top_ps.shape[0] != bs:
             raise ValueError(f"top_ps has shape {tuple(top_ps.shape)}, expected ({bs},)")
         top_ps = top_ps.contiguous()
+    if min_ps is not None:
+        _require_tensor("min_ps", min_ps, torch.float32, 1, device)
+        if min_ps.shape[0] != bs:
+            raise ValueError(f"min_ps has shape {tuple(min_ps.shape)}, expected ({bs},)")
+        min_ps = min_ps.contiguous()
     res = _outputs(bs, width, max_depth, device, True, out)
     if bs == 0:
         return res
@@ -320,7 +334,7 @@ def accept_sampled(
         _kernel(name)(
             (bs,), (_ACCEPT_THREADS_LOGITS,),
             (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
-             _ptr(seq_lens), _ptr(temperatures), _ptr(top_ks), _ptr(top_ps), _ptr(seeds.contiguous()),
+             _ptr(seq_lens), _ptr(temperatures), _ptr(top_ks), _ptr(top_ps), _ptr(min_ps), _ptr(seeds.contiguous()),
              np.int32(width), np.int32(max_depth + 1), np.int32(width),
              _ptr(res.accepted), _ptr(res.accept_lens), _ptr(res.bonus), _ptr(res.committed),
              _ptr(res.new_seq_lens), _ptr(res.errors)),
