@@ -4,20 +4,28 @@
 // Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Two
 // launches, both on fixed preallocated workspaces (graph-capturable):
 //
-//   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per element the
-//               order-preserving key (its running max gives the chunk max, its max and min screen for NaN /
-//               +inf); a block histogram of the key's top 12 bits in shared memory, flushed to the row's
-//               global histogram with one atomic per nonzero bin; the chunk's (max, sum exp(x - max)) for
-//               the logsumexp; and per thread the largest bin among its 32 columns (`group_bin`), so the
-//               select can visit only the groups with something to give.
-//   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64); the boundary bin b*
-//               where the row histogram's count from the top reaches K (every winner has bin >= b*; the
-//               histogram is zeroed for the next call); the candidates (every column with bin >= b*),
-//               gathered from the groups whose largest bin is >= b* into shared memory (or the row's global
-//               buffer when more than S_CACHE); an exact radix select of the K largest (key << 32 | ~id)
-//               composites (a strict total order that carries the tie rule, so candidate order does not
-//               matter), a bitonic sort of the winners and the outputs. A row with more than `cap`
-//               candidates (heavy ties around the K-th value) runs the same select over the row itself.
+//   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per thread its largest and
+//               smallest value (NaN-propagating: the max screens for NaN / +inf); each warp sorts its 32
+//               thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps' ceil(K/8)-th
+//               largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th largest
+//               key T. The block histogram of the key's top 12 bits in shared memory counts only the columns
+//               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read),
+//               which keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global
+//               histogram with one atomic per nonzero bin. Also the chunk's (max, sum exp(x - max)) for the
+//               logsumexp over every column (the exact __expf; its subnormal fix-up skipped when no column of
+//               the thread needs it), per thread the largest bin among its 32 columns (`group_bin`, 0 when
+//               below c), so the select can visit only the groups with something to give, and c (`chunk_cut`).
+//   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64; warp 0 alone when C <= 32);
+//               the boundary bin b* where the row histogram's count from the top reaches K (every winner has
+//               bin >= b*; the histogram is zeroed for the next call); the candidates (every column with bin
+//               >= b* and key >= its chunk's c: exactly what the histogram counted), gathered from the groups
+//               whose largest bin is >= b* into shared memory (or the row's global buffer when more than
+//               S_CACHE). At most RANK_ITEMS candidates in shared memory are placed directly by rank (the
+//               number of larger (key << 32 | ~id) composites: a strict total order that carries the tie rule,
+//               so candidate order does not matter); more go through an exact radix select of the K largest
+//               composites, whose winners are placed by rank (<= RANK_ITEMS) or a bitonic sort. A row with
+//               more than `cap` candidates (heavy ties around the K-th value) runs the same select over the
+//               row itself.
 //
 // Errors go to the int32 flag with the bits of topk_logsumexp.cu (NaN 1, +inf 2, dead row 4).
 
@@ -82,70 +90,129 @@ __device__ __forceinline__ int group_col(int e, int t) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// pass 1: histogram + logsumexp partial + per-group max bin
+// pass 1: filtered histogram + logsumexp partial + per-group max bin
 // ---------------------------------------------------------------------------------------------------
 
-// hist_pass's per-element work, with the column bound check compiled out for full chunks (FULL): the key's
-// running max and min (the chunk max and the error screen come from them) and the histogram count.
+// keys are monotone in the value: the largest key is the max (-0.0 already folded onto +0.0); a +inf or
+// positive NaN has a key >= KEY_POS_INF, a negative NaN one below KEY_NEG_INF
+#define KEY_NEG_INF 0x007fffffu
+#define KEY_POS_INF 0xff800000u
+#define H_FILTER_K H_THREADS  // K above this: no chunk bound (every element is histogrammed)
+
+// NaN-propagating max / min (any NaN operand gives NaN), so one max per element both finds the thread's
+// largest value and screens for NaN.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float fmin_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
+  u32 d;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ u32 bf16x2_min_nan(u32 a, u32 b) {
+  u32 d;
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The thread's largest and smallest values among its valid columns (-inf / +inf when it has none; NaN when
+// any is NaN).
 template <typename T, int VEC, bool FULL>
-__device__ __forceinline__ void count_keys(const u32 (&raw)[Packed<T>::words], int n, u32* hist, u32& kmax,
-                                           u32& kmin) {
+__device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words], int n, float& mx, float& mn) {
+  if constexpr (FULL && sizeof(T) == 2) {
+    u32 hi = raw[0], lo = raw[0];
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e) {
-    if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
-      const u32 key = float_key(elem_float(raw, e, T()));
-      kmax = max(kmax, key);
-      kmin = min(kmin, key);
-      atomicAdd(hist + (key >> H_SHIFT), 1u);
+    for (int i = 1; i < Packed<T>::words; ++i) {
+      hi = bf16x2_max_nan(hi, raw[i]);
+      lo = bf16x2_min_nan(lo, raw[i]);
     }
+    mx = fmax_nan(__uint_as_float(hi << 16), __uint_as_float(hi & 0xffff0000u));
+    mn = fmin_nan(__uint_as_float(lo << 16), __uint_as_float(lo & 0xffff0000u));
+  } else {
+    mx = -INFINITY;
+    mn = INFINITY;
+#pragma unroll
+    for (int e = 0; e < H_ELEMS; ++e)
+      if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
+        mx = fmax_nan(mx, elem_float(raw, e, T()));
+        mn = fmin_nan(mn, elem_float(raw, e, T()));
+      }
   }
 }
 
-// sum of exp(x - M) over the thread's columns: x - M correctly rounded, exp by ex2.approx of (x - M) * log2(e)
-// (__expf: relative error <= (2 + 1.17 |x - M|) ulp, so the terms that carry the sum are within a few ulp),
-// groups of 4 summed in fp32, groups summed in float64.
-template <typename T, int VEC, bool FULL>
-__device__ __forceinline__ double exp_sum(const u32 (&raw)[Packed<T>::words], int n, float M) {
+// 2^y as __expf computes it (ex2.approx.f32 of the correctly rounded product); FTZ: without the subnormal
+// range fix-up, the same value for y >= -126 (the caller checks that for every column of the thread).
+#define LOG2E_F 1.4426950216293334961f
+template <bool FTZ>
+__device__ __forceinline__ float ex2_approx(float y) {
+  float d;
+  if (FTZ) asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(d) : "f"(y));
+  else asm("ex2.approx.f32 %0, %1;" : "=f"(d) : "f"(y));
+  return d;
+}
+
+// Sum of exp(x - M) over the thread's columns: x - M correctly rounded, exp as __expf (ex2.approx of
+// (x - M) * log2(e); relative error <= (2 + 1.17 |x - M|) ulp, so the terms that carry the sum are within a
+// few ulp), groups of 4 summed in fp32, groups summed in float64 (the caller drops the sum when M is -inf).
+// Also the bit mask of the thread's columns with value >= cf (element e: bit e), which the histogram counts.
+template <typename T, int VEC, bool FULL, bool FTZ>
+__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
+                                               u32& mask) {
   double s = 0.0;
 #pragma unroll
   for (int g = 0; g < H_ELEMS; g += 4) {
     float q = 0.f;
 #pragma unroll
     for (int e = g; e < g + 4; ++e)
-      if (FULL || group_col<VEC>(e, threadIdx.x) < n) q = __fadd_rn(q, __expf(__fsub_rn(elem_float(raw, e, T()), M)));
+      if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
+        const float x = elem_float(raw, e, T());
+        if (x >= cf) mask |= 1u << e;
+        q = __fadd_rn(q, ex2_approx<FTZ>(__fmul_rn(__fsub_rn(x, M), LOG2E_F)));
+      }
     s = __dadd_rn(s, (double)q);
   }
   return s;
 }
 
-// keys are monotone in the value: the largest key is the max (-0.0 already folded onto +0.0); a +inf or
-// positive NaN has a key >= KEY_POS_INF, a negative NaN one below KEY_NEG_INF
-#define KEY_NEG_INF 0x007fffffu
-#define KEY_POS_INF 0xff800000u
+template <typename T, int VEC, bool FULL>
+__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
+                                               float tmin, u32& mask) {
+  // every column's exponent >= -126 (monotone in x): the fast exp is the same value (NaN / -inf: the exact one)
+  if (__fmul_rn(__fsub_rn(tmin, M), LOG2E_F) >= -126.f) return exp_sum_mask<T, VEC, FULL, true>(raw, n, cf, M, mask);
+  return exp_sum_mask<T, VEC, FULL, false>(raw, n, cf, M, mask);
+}
 
 template <typename T, int VEC>
-__device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int C,
+__device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
-                                          float* __restrict__ chunk_max, double* __restrict__ chunk_sum,
-                                          int* __restrict__ err) {
-  __shared__ u32 hist[H_BINS];
-  __shared__ u32 kscratch[H_THREADS / 32];
+                                          u32* __restrict__ chunk_cut, float* __restrict__ chunk_max,
+                                          double* __restrict__ chunk_sum, int* __restrict__ err) {
+  __shared__ __align__(16) u32 hist[H_BINS];
+  __shared__ u32 sorted[H_THREADS];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x / C, c = blockIdx.x % C;
   const int start = c * H_COLS;
   const int n = min(H_COLS, V - start);
+  const int kout = min(K, V);
   const T* row = logits + (long long)r * row_stride + start;
 
   u32 raw[Packed<T>::words];
   load_group<T, VEC>(row, n, raw, tid);  // issued before the zeroing so the loads are in flight meanwhile
-  for (int b = tid; b < H_BINS; b += H_THREADS) hist[b] = 0u;
-  __syncthreads();
+  uint4* h4 = reinterpret_cast<uint4*>(hist);
+  for (int b = tid; b < H_BINS / 4; b += H_THREADS) h4[b] = make_uint4(0u, 0u, 0u, 0u);
 
-  u32 kmax = KEY_NEG_INF, kmin = 0xffffffffu;
-  if (n == H_COLS) count_keys<T, VEC, true>(raw, n, hist, kmax, kmin);
-  else count_keys<T, VEC, false>(raw, n, hist, kmax, kmin);
-  if (kmax >= KEY_POS_INF || kmin < KEY_NEG_INF) {  // rare: name the bad values exactly
+  float tmax, tmin;
+  if (n == H_COLS) thread_range<T, VEC, true>(raw, n, tmax, tmin);
+  else thread_range<T, VEC, false>(raw, n, tmax, tmin);
+  if (tmax != tmax || tmax == INFINITY) {  // rare: name the bad values exactly
     int bad = 0;
 #pragma unroll
     for (int e = 0; e < H_ELEMS; ++e) {
@@ -154,42 +221,78 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     }
     if (bad) atomicOr(err, bad);
   }
-  group_bin[(long long)blockIdx.x * H_THREADS + tid] =
-      group_col<VEC>(0, tid) < n ? (unsigned short)(kmax >> H_SHIFT) : 0;  // 0 for a thread past the row's end
-  const u32 wmax = __reduce_max_sync(0xffffffffu, kmax);
-  if (lane == 0) kscratch[warp] = wmax;
-  __syncthreads();  // also orders the histogram atomics before the flush
-  u32 bmax = kscratch[0];
+  const u32 kmax = float_key(tmax);  // KEY_NEG_INF for a thread with no valid column
+  // each warp's maxima sorted descending (bitonic network over the lanes)
+  u32 v = kmax;
 #pragma unroll
-  for (int w = 1; w < H_THREADS / 32; ++w) bmax = max(bmax, kscratch[w]);
+  for (int k = 2; k <= 32; k <<= 1)
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const u32 o = __shfl_xor_sync(0xffffffffu, v, j);
+      v = (((lane & j) == 0) == ((lane & k) == 0)) ? max(v, o) : min(v, o);
+    }
+  sorted[tid] = v;
+  __syncthreads();  // the zeroed histogram and the sorted maxima
+  // The chunk bound: with q = ceil(kout / 8), the smallest of the 8 warps' q-th largest thread maxima. Each
+  // warp has q threads (distinct columns) whose largest key is >= it, so 8 q >= kout columns of the chunk
+  // are, and the chunk's kout-th largest key is >= it; so is the row's kout-th largest key T (the chunk's
+  // top kout are kout of the row's columns). Every key >= T is then counted, which keeps the boundary bin
+  // at T's bin: the counts above that bin are exact and the bin's own count still reaches kout. A thread
+  // with no valid column counts as -inf (KEY_NEG_INF, the smallest key of any non-NaN value: no filter).
+  // K > 256: no bound.
+  u32 bmax = sorted[0], cut = KEY_NEG_INF;
+#pragma unroll
+  for (int w = 1; w < H_THREADS / 32; ++w) bmax = max(bmax, sorted[32 * w]);
+  if (kout <= H_FILTER_K) {
+    const int q = (kout + 7) >> 3;
+    cut = sorted[q - 1];
+#pragma unroll
+    for (int w = 1; w < H_THREADS / 32; ++w) cut = min(cut, sorted[32 * w + q - 1]);
+  }
+  // the bound as a non-NaN key (a NaN key only with the error flag set), compared as a float: for non-NaN x,
+  // x >= key_float(cut) <=> float_key(x) >= cut (-0.0 >= +0.0 as the folded keys tie), as the select's gather
+  // compares
+  cut = min(max(cut, KEY_NEG_INF), KEY_POS_INF);
+  const float cf = key_float(cut);
   const float M = key_float(bmax);  // -inf for a chunk of -inf only; NaN / +inf only with the error flag set
 
-  // flush the nonzero bins to the row's histogram
-  u32* gh = ghist + (long long)r * H_BINS;
-  for (int b = tid; b < H_BINS; b += H_THREADS) {
-    const u32 v = hist[b];
-    if (v) atomicAdd(gh + b, v);
+  group_bin[(long long)blockIdx.x * H_THREADS + tid] =
+      kmax >= cut ? (unsigned short)(kmax >> H_SHIFT) : 0;  // 0 for a group with nothing >= the bound
+  u32 mask = 0;
+  double s = n == H_COLS ? exp_sum_mask<T, VEC, true>(raw, n, cf, M, tmin, mask)
+                         : exp_sum_mask<T, VEC, false>(raw, n, cf, M, tmin, mask);
+  if (M == -INFINITY) s = 0.0;
+  // the few columns >= the bound into the block histogram (re-read: an L1 hit, no dynamic register index)
+  while (mask) {
+    const int e = __ffs(mask) - 1;
+    mask &= mask - 1;
+    atomicAdd(hist + (float_key(to_float(__ldg(row + group_col<VEC>(e, tid)))) >> H_SHIFT), 1u);
   }
-
-  double s = 0.0;
-  if (M != -INFINITY) s = n == H_COLS ? exp_sum<T, VEC, true>(raw, n, M) : exp_sum<T, VEC, false>(raw, n, M);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
   if (lane == 0) dscratch[warp] = s;
-  __syncthreads();
+  __syncthreads();  // also orders the histogram atomics before the flush
+
+  // flush the nonzero bins to the row's histogram: only bins cut's .. bmax's can hold counts
+  u32* gh = ghist + (long long)r * H_BINS;
+  for (int b = (int)(cut >> H_SHIFT) + tid; b <= (int)(bmax >> H_SHIFT); b += H_THREADS) {
+    const u32 h = hist[b];
+    if (h) atomicAdd(gh + b, h);
+  }
   if (tid == 0) {
     double t = 0.0;
 #pragma unroll
     for (int w = 0; w < H_THREADS / 32; ++w) t = __dadd_rn(t, dscratch[w]);
     chunk_max[blockIdx.x] = M;
     chunk_sum[blockIdx.x] = t;
+    chunk_cut[blockIdx.x] = cut;
   }
 }
 
 #define HIST_ARGS                                                                                      \
-  long long row_stride, int V, int C, u32 *ghist, unsigned short *group_bin, float *chunk_max, double *chunk_sum, \
-      int *err
-#define HIST_PASS row_stride, V, C, ghist, group_bin, chunk_max, chunk_sum, err
+  long long row_stride, int V, int K, int C, u32 *ghist, unsigned short *group_bin, u32 *chunk_cut,       \
+      float *chunk_max, double *chunk_sum, int *err
+#define HIST_PASS row_stride, V, K, C, ghist, group_bin, chunk_cut, chunk_max, chunk_sum, err
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
   hist_pass<unsigned short, 8>(logits, HIST_PASS);
@@ -219,10 +322,10 @@ struct RowSource {
 };
 
 // Exact radix select of the `want` largest composites of src[0, items) (unique composites, 11-bit digits
-// from the top, as topk_merge), then a bitonic sort of the winners, descending. `hw` is the histogram during
-// the select and the winners afterwards (8 KiB, both). Returns the number of winners in hw[0, got).
+// from the top, as topk_merge). `hw` is the histogram during the select and the winners afterwards (8 KiB,
+// both). Returns the number of winners, in hw[0, got) in no particular order.
 template <class Src>
-__device__ __forceinline__ int select_sorted(const Src& src, int items, u32 want, int kout, u64* hw,
+__device__ __forceinline__ int select_winners(const Src& src, int items, u32 want, int kout, u64* hw,
                                             u32* scratch, u32* sel, u32* n_win) {
   u32* hist = reinterpret_cast<u32*>(hw);
   const int tid = threadIdx.x;
@@ -255,13 +358,7 @@ __device__ __forceinline__ int select_sorted(const Src& src, int items, u32 want
       }
     }
   __syncthreads();
-  const int got = min((int)*n_win, kout);
-  int P = 1;
-  while (P < kout) P <<= 1;
-  for (int i = got + tid; i < P; i += S_THREADS) hw[i] = 0ull;  // sorts last
-  __syncthreads();
-  bitonic_sort_desc<S_THREADS>(hw, P);
-  return got;
+  return min((int)*n_win, kout);
 }
 
 // The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
@@ -301,27 +398,31 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
   __syncthreads();
 }
 
-// Appends the columns of group g (chunk g / H_THREADS, thread g % H_THREADS of hist_pass) whose key is >= cut.
+// Appends the columns of group g (chunk g / H_THREADS, thread g % H_THREADS of hist_pass) whose key is >= cut
+// and >= the chunk's bound (hist_pass's chunk_cut): exactly the columns the row histogram counted at or above
+// the boundary bin, so the gather collects as many candidates as the histogram promised.
 template <typename T, int VEC>
-__device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut, u64* dst, int cap,
-                                             u32* cursor) {
+__device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut,
+                                             const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor) {
   const int t = g % H_THREADS, start = (g / H_THREADS) * H_COLS;
   const int n = min(H_COLS, V - start);
+  // compared as a float, as hist_pass counted: ccut is a non-NaN key >= KEY_NEG_INF (a bin edge above
+  // KEY_POS_INF only with the error flag set)
+  const float cf = key_float(min(max(cut, __ldg(ccut + g / H_THREADS)), KEY_POS_INF));
   u32 raw[Packed<T>::words];
   load_group<T, VEC>(row + start, n, raw, t);
-  u32 cnt = 0;
+  u32 mask = 0;
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e) cnt += group_col<VEC>(e, t) < n && float_key(elem_float(raw, e, T())) >= cut;
-  u32 pos = atomicAdd(cursor, cnt);
+  for (int e = 0; e < H_ELEMS; ++e)
+    if (group_col<VEC>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
+  u32 pos = atomicAdd(cursor, (u32)__popc(mask));
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e) {
-    const int col = group_col<VEC>(e, t);
-    const u32 key = float_key(elem_float(raw, e, T()));
-    if (col < n && key >= cut) {
-      if (pos < (u32)cap) dst[pos] = composite(key, (u32)(start + col));  // never out of range
+  for (int e = 0; e < H_ELEMS; ++e)
+    if (mask & (1u << e)) {
+      if (pos < (u32)cap)  // never out of range
+        dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC>(e, t)));
       ++pos;
     }
-  }
 }
 
 // Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
@@ -331,7 +432,8 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
 #define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
 template <typename T, int VEC>
 __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
-                                                 const unsigned short* __restrict__ gbin, u32 bsel, u64* dst, int cap,
+                                                 const unsigned short* __restrict__ gbin,
+                                                 const u32* __restrict__ ccut, u32 bsel, u64* dst, int cap,
                                                  u32* cursor) {
   const u32 cut = bsel << H_SHIFT;
   const int nq = C * H_THREADS / 8;
@@ -356,19 +458,88 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
       const int b = __ffs(live) - 1;
       live &= live - 1;
       const int q = q0 + (b >> 3) * S_THREADS + (int)threadIdx.x;
-      gather_group<T, VEC>(row, V, q * 8 + (b & 7), cut, dst, cap, cursor);
+      gather_group<T, VEC>(row, V, q * 8 + (b & 7), cut, ccut, dst, cap, cursor);
     }
   }
   __syncthreads();
   return (int)min(*cursor, (u32)cap);
 }
 
+// One output entry: rank i of row r holds composite w (0: padding, only when an error left fewer candidates).
+template <int MODE>
+__device__ __forceinline__ void emit(int r, int kout, int i, u64 w, double lse, float* __restrict__ out_vals,
+                                     long long* __restrict__ out_ids, long long id_offset) {
+  const float f = key_float((u32)(w >> 32));
+  const long long id = (long long)(0xffffffffu - (u32)w);
+  if (MODE == 0) {
+    out_vals[(long long)r * kout + i] = (float)__dsub_rn((double)f, lse);
+    out_ids[(long long)r * kout + i] = id;
+  } else {
+    out_vals[(long long)r * kout + i] = f;
+    out_ids[(long long)r * kout + i] = id + id_offset;
+  }
+}
+
+// Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
+// got are padded) in descending order. Rank by counting (each composite's place is the number of larger
+// ones: no barrier) when got <= RANK_ITEMS; else (only from the radix select's winners, got <= kout <=
+// MAX_K, src == hw) a bitonic sort in place.
+#define RANK_ITEMS 512
+template <int MODE>
+__device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, double lse,
+                                            float* __restrict__ out_vals, long long* __restrict__ out_ids,
+                                            long long id_offset) {
+  const int tid = threadIdx.x;
+  if (got <= RANK_ITEMS) {
+    for (int i = tid; i < got; i += S_THREADS) {
+      const u64 w = src[i];
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < got; ++j) rank += src[j] > w;  // one address per step: a broadcast
+      if (rank < kout) emit<MODE>(r, kout, rank, w, lse, out_vals, out_ids, id_offset);
+    }
+  } else {
+    int P = 1;
+    while (P < got) P <<= 1;
+    for (int i = got + tid; i < P; i += S_THREADS) src[i] = 0ull;  // sorts last
+    __syncthreads();
+    bitonic_sort_desc<S_THREADS>(src, P);
+    for (int i = tid; i < min(got, kout); i += S_THREADS) emit<MODE>(r, kout, i, src[i], lse, out_vals, out_ids, id_offset);
+  }
+  for (int i = got + tid; i < kout; i += S_THREADS) emit<MODE>(r, kout, i, 0ull, lse, out_vals, out_ids, id_offset);
+}
+
+// Row r's logsumexp by warp 0 alone when C <= 32 (into *out; the other warps go on): the same operations in
+// the same order as row_lse<S_THREADS, MODE> (a lane per chunk, the same xor tree, the other warps' zero
+// sums added), so bit for bit its value.
+template <int MODE>
+__device__ __forceinline__ void row_lse_warp(const float* __restrict__ chunk_max, const double* __restrict__ chunk_sum,
+                                             int r, int C, double* out, int* err) {
+  const int lane = threadIdx.x & 31;
+  const float mc = lane < C ? chunk_max[r * C + lane] : -INFINITY;
+  const double cs = lane < C ? chunk_sum[r * C + lane] : 0.0;
+  float M = mc;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  double s = 0.0;
+  if (M != -INFINITY && mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(cs, exp(__dsub_rn((double)mc, (double)M))));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+  double t = 0.0;
+#pragma unroll
+  for (int w = 0; w < S_THREADS / 32; ++w) t = __dadd_rn(t, w == 0 ? s : 0.0);
+  if (lane == 0) {
+    if (MODE == 0 && M == -INFINITY) atomicOr(err, ERR_DEAD_ROW);
+    *out = M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(t));
+  }
+}
+
 // MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials).
 template <typename T, int VEC, int MODE>
 __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                             u32* __restrict__ ghist, const unsigned short* __restrict__ group_bin,
-                                            u64* __restrict__ cands, long long cap,
-                                            const float* __restrict__ chunk_max,
+                                            const u32* __restrict__ chunk_cut, u64* __restrict__ cands,
+                                            long long cap, const float* __restrict__ chunk_max,
                                             const double* __restrict__ chunk_sum, float* __restrict__ out_vals,
                                             long long* __restrict__ out_ids, double* __restrict__ out_lse,
                                             long long id_offset, int* __restrict__ err) {
@@ -378,45 +549,48 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   __shared__ u32 sel[3];
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
+  __shared__ double s_lse;
   __shared__ u32 n_win, cursor;
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
   if (tid == 0) n_win = cursor = 0;
 
-  const double lse = row_lse<S_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
+  // C <= 32 (V <= 262144): warp 0 computes the lse while the block finds the boundary bin (s_lse is read
+  // after boundary_bin's barriers)
+  if (C <= 32) {
+    if (tid < 32) row_lse_warp<MODE>(chunk_max, chunk_sum, r, C, &s_lse, err);
+  } else {
+    const double l = row_lse<S_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
+    if (tid == 0) s_lse = l;
+  }
 
   const T* row = logits + (long long)r * row_stride;
   boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel);
+  const double lse = s_lse;
   const u32 bsel = sel[0];
-  const unsigned long long items = (unsigned long long)sel[1] + sel[2];  // keys with bin >= b*
+  const unsigned long long items = (unsigned long long)sel[1] + sel[2];  // counted keys with bin >= b*
+  u64* src = hw;
+  int got;
   if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
     u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
-    const int got = gather_candidates<T, VEC>(row, V, C, group_bin + (long long)r * C * H_THREADS, bsel, dst,
-                                              items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
-    select_sorted(CandSource{dst}, got, (u32)min(kout, got), kout, hw, scratch, sel, &n_win);
+    got = gather_candidates<T, VEC>(row, V, C, group_bin + (long long)r * C * H_THREADS, chunk_cut + (long long)r * C,
+                                    bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
+    if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
+    else got = select_winners(CandSource{dst}, got, (u32)min(kout, got), kout, hw, scratch, sel, &n_win);
   } else {
-    select_sorted(RowSource<T>{row}, V, (u32)kout, kout, hw, scratch, sel, &n_win);
+    got = select_winners(RowSource<T>{row}, V, (u32)kout, kout, hw, scratch, sel, &n_win);
   }
-  for (int i = tid; i < kout; i += S_THREADS) {
-    const u64 w = hw[i];
-    const float f = key_float((u32)(w >> 32));
-    const long long id = (long long)(0xffffffffu - (u32)w);
-    if (MODE == 0) {
-      out_vals[(long long)r * kout + i] = (float)__dsub_rn((double)f, lse);
-      out_ids[(long long)r * kout + i] = id;
-    } else {
-      out_vals[(long long)r * kout + i] = f;
-      out_ids[(long long)r * kout + i] = id + id_offset;
-    }
-  }
+  emit_sorted<MODE>(src, got, kout, r, lse, out_vals, out_ids, id_offset);
   if (MODE == 1 && tid == 0) out_lse[r] = lse;
 }
 
 #define SELECT_ARGS                                                                                         \
-  long long row_stride, int V, int K, int C, u32 *ghist, const unsigned short *group_bin, u64 *cands,          \
-      long long cap, const float *chunk_max, const double *chunk_sum, float *out_vals, long long *out_ids
-#define SELECT_PASS row_stride, V, K, C, ghist, group_bin, cands, cap, chunk_max, chunk_sum, out_vals, out_ids
+  long long row_stride, int V, int K, int C, u32 *ghist, const unsigned short *group_bin, const u32 *chunk_cut, \
+      u64 *cands, long long cap, const float *chunk_max, const double *chunk_sum, float *out_vals,              \
+      long long *out_ids
+#define SELECT_PASS                                                                                           \
+  row_stride, V, K, C, ghist, group_bin, chunk_cut, cands, cap, chunk_max, chunk_sum, out_vals, out_ids
 // 4 resident blocks per SM (<= 64 registers; shared memory allows 5): one wave for up to 528 rows (bs 35 at
 // 15 depths) instead of 396 at the 80 registers the compiler picks unbounded, which left a tail wave at bs 32.
 #define SELECT_MIN_BLOCKS 4

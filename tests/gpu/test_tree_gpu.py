@@ -227,6 +227,97 @@ def test_topk_poisoned_outputs_and_reused_builder_buffers():
         _check_topk(x, k, lp, ids)
 
 
+
+def _chunk_bound_rows(rng, v):
+    """Rows aimed at hist_pass's per-chunk bound c (the K-th largest of a chunk's 256 per-thread maxima) and
+    at the boundary bin: every thread max tied at c; half the thread maxima tied (fp32's 4-column runs);
+    -0.0 / 0.0 ties at the bound; the K-th value exactly on a bin edge (2.0, -2.0) with the largest value
+    below it packed in; a spread row; one all -inf row but for a few entries (fewer finite than K)."""
+    rows = []
+    x = np.clip(rng.normal(-3, 1, size=v), -9, -0.5).astype(np.float32)
+    x[::8] = 1.0                                               # each 8-run holds a 1.0: every thread max is 1.0
+    x[rng.permutation(v)[:40]] = 2.5
+    rows.append(x)
+    x = np.clip(rng.normal(-3, 1, size=v), -9, -0.5).astype(np.float32)
+    x[::16] = 1.0                                              # half the runs
+    x[5::16] = 0.75
+    rows.append(x)
+    x = np.clip(rng.normal(-5, 1, size=v), -9, -1).astype(np.float32)
+    x[::8] = -0.0
+    x[3::16] = 0.0
+    x[rng.permutation(v)[:7]] = 1.0
+    rows.append(x)
+    for sign in (1.0, -1.0):                                   # K-th value on a bin edge, for K 255..257 and 64
+        # 2.0 is the lowest key of its bin, -2.0 the highest of its; lo: the next bf16 value below the edge
+        lo = 1.9921875 if sign > 0 else -2.015625
+        x = (rng.uniform(1.0, lo, size=v) if sign > 0 else -rng.uniform(-lo, 3.0, size=v)).astype(np.float32)
+        x[rng.permutation(v)[:300]] = lo
+        p = rng.permutation(v)
+        x[p[:250]] = (sign * 2.0 + rng.uniform(0.01, 0.9, size=250)).astype(np.float32)  # above the edge
+        x[p[250:268]] = sign * 2.0                             # the edge itself: places 251..268, ties by id
+        rows.append(x)
+    rows.append(rng.normal(0, 3, size=v).astype(np.float32))
+    x = np.full(v, -np.inf, dtype=np.float32)
+    x[rng.permutation(v)[:10]] = rng.normal(0, 1, size=10)
+    rows.append(x)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("v", [24653, 24656, 163840])
+def test_topk_histogram_chunk_bound_edges(v):
+    """hist_pass histograms only keys >= its chunk bound (K <= 256; none for K > 256) and the select ranks
+    few candidates directly: ties at the bound, K 255 / 256 / 257 around the bound's limit, K-th values on a
+    bin edge, -0.0 / 0.0, partial last chunks (V = 3 chunks + 77: unaligned kernels; + 80: aligned, partial
+    groups), fp32 and bf16; ids and values exact (logprobs and TP partials) into poisoned outputs, one
+    workspace reused, histograms clean after every call."""
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(v + 5)
+    x = _chunk_bound_rows(rng, v)
+    rows = x.shape[0]
+    ws = topk.TopKWorkspace(rows, v, 1024, "cuda", impl="histogram")
+    ws.cands.fill_(-1)
+    ks = (1, 64, 255, 256, 257, 1024) if v < 100000 else (64, 256, 257)
+    for dt in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).cuda().to(dt)
+        xn = t.float().cpu().numpy()
+        for k in ks:
+            out = (torch.full((rows * k,), 7.0, device="cuda"), torch.full((rows * k,), -5, dtype=torch.int64,
+                                                                            device="cuda"))
+            lp, ids = topk.topk_logprobs(t, k, workspace=ws, out=out, check=True)
+            _check_topk(xn, k, lp, ids)
+            vals, sid, lse = topk.shard_topk_partials(t, k, 1000, workspace=ws, check=True)
+            rv, ri, rl = ref.shard_topk_partials(xn, k, 1000)
+            np.testing.assert_array_equal(sid.cpu().numpy(), ri)
+            np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+            np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
+            assert int(ws.hist.abs().sum()) == 0
+
+
+def test_topk_histogram_rank_route_sizes():
+    """The select's direct ranking (<= 512 candidates in shared memory) against the radix select (more) at
+    the switch: rows with exactly 511 / 512 / 513 keys at or above the boundary bin (one tied bin), every K
+    to 1024, and the cut pipeline as a second opinion."""
+    topk, _, _ = _gpu()
+    rng = np.random.default_rng(77)
+    v = 40000
+    rows = []
+    for tied in (511, 512, 513, 3000):
+        x = np.clip(rng.normal(0, 1, size=v), -3.5, 3.5).astype(np.float32)
+        x[rng.permutation(v)[:tied]] = 6.0
+        rows.append(x)
+    x = np.stack(rows)
+    ws = topk.TopKWorkspace(len(rows), v, 1024, "cuda", impl="histogram")
+    ws_cut = topk.TopKWorkspace(len(rows), v, 1024, "cuda", impl="cut")
+    for dt in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).cuda().to(dt)
+        xn = t.float().cpu().numpy()
+        for k in (1, 100, 511, 512, 513, 1024):
+            lp, ids = topk.topk_logprobs(t, k, workspace=ws, check=True)
+            _check_topk(xn, k, lp, ids)
+            lp2, ids2 = topk.topk_logprobs(t, k, workspace=ws_cut, check=True)
+            assert torch.equal(ids, ids2)
+    assert int(ws.hist.abs().sum()) == 0
+
 def _sorted_rows(rng, bs, depth, k, tie_heavy):
     if tie_heavy:
         lp = -(rng.integers(0, 6, size=(bs, depth, k)) / 8.0)
