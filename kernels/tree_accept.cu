@@ -1,4 +1,4 @@
-// DDTree accept walk for a batch: one thread block per request.
+// DDTree accept walk for a batch: one thread block per request (greedy over logits: one cluster of blocks).
 //
 // Layout (the reference's TreeBatch): request b owns rows b*N .. b*N+N-1; row 0 is the root, rows
 // 1..num_nodes[b] are nodes in pop order with parents[i] < i, the rest is padding (never accepted).
@@ -8,8 +8,9 @@
 // Three target kinds:
 //   * argmax ids [bs*N] int64 (accept_ids): every node's "hit" (its token equals the target's choice at
 //     its parent) is computed in parallel, then one thread follows first-hit links in shared memory;
-//   * logits [bs*N, ld] fp32/bf16, greedy (accept_logits_*): argmax is fused and lazy: only the rows on
+//   * logits [bs*N, ld] fp32/bf16, greedy (accept_greedy_*): argmax is fused and lazy: only the rows on
 //     the accepted path (tau <= L+1 of N) are ever read, instead of all bs*N rows of a separate argmax;
+//     each row is split over a cluster of GREEDY_CLUSTER blocks (end of file);
 //   * logits, sampled (accept_sampled_*): the same lazy walk, but the token at each visited node is a
 //     sample of softmax(logits/T) restricted by SGLang's top-k / top-p / min-p. Sampling only the visited nodes
 //     has the same distribution as sampling every node and then walking (unvisited draws never matter).
@@ -509,7 +510,182 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
                                       bonus_out, committed, new_seq_lens, errors);                           \
   }
 
-ACCEPT_LOGITS_ENTRY(accept_logits_f32, float, false)
-ACCEPT_LOGITS_ENTRY(accept_logits_bf16, unsigned short, false)
 ACCEPT_LOGITS_ENTRY(accept_sampled_f32, float, true)
 ACCEPT_LOGITS_ENTRY(accept_sampled_bf16, unsigned short, true)
+
+// ---------------------------------------------------------------------------------------------------
+// Greedy accept over logits with a cluster of GREEDY_CLUSTER blocks per request (accept_greedy_*).
+// ---------------------------------------------------------------------------------------------------
+// The lazy walk of accept_logits_impl with row_argmax at every node (same outputs and error bits), but each
+// visited row is split across the blocks of one thread-block cluster (sm_90): every block takes the argmax of its
+// slice, publishes (value, index, NaN seen) in its shared memory, one cluster barrier, then every block
+// reads the GREEDY_CLUSTER partials over distributed shared memory and reduces them in the same total order
+// (larger value, then lower index), so all blocks agree on the choice and walk on together with no second
+// barrier. One block per request read a 163,840-column fp32 row in ~20 us (one SM's share of HBM); eight
+// read it in ~eight times less. Partials are double-buffered by step parity: a block can only overwrite a
+// slot after the next barrier, which every block reaches only once it has read that slot.
+#define GREEDY_CLUSTER 8
+#define GREEDY_THREADS 512
+
+struct GreedyPartial {
+  float v;
+  int nan;
+  i64 i;
+};
+
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster arrives and waits; release / acquire order the shared-memory
+// writes before it with the remote reads after it.
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// p (this block's shared memory) as an address in block `rank`'s shared memory window
+__device__ __forceinline__ u32 cluster_map(const void* p, u32 rank) {
+  const u32 local = (u32)__cvta_generic_to_shared(p);
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ GreedyPartial cluster_load(const GreedyPartial* p, u32 rank) {
+  const u32 a = cluster_map(p, rank);
+  GreedyPartial out;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(out.v) : "r"(a) : "memory");
+  asm volatile("ld.shared::cluster.s32 %0, [%1+4];" : "=r"(out.nan) : "r"(a) : "memory");
+  asm volatile("ld.shared::cluster.s64 %0, [%1+8];" : "=l"(out.i) : "r"(a) : "memory");
+  return out;
+}
+
+// f(value, index) over this block's slice [lo, hi) of a row: 16-byte vectors when vec_ok (lo, hi multiples
+// of the vector width, except the row's tail, which the last block takes element by element).
+template <typename Elem, typename F>
+__device__ __forceinline__ void for_each_in_slice(const Elem* row, i64 V, bool vec_ok, u32 rank, F f) {
+  constexpr int PER_VEC = 16 / sizeof(Elem);
+  i64 start = 0;
+  if (vec_ok) {
+    const uint4* vrow = reinterpret_cast<const uint4*>(row);
+    const i64 nvec = V / PER_VEC;
+    const i64 q_lo = nvec * rank / GREEDY_CLUSTER, q_hi = nvec * (rank + 1) / GREEDY_CLUSTER;
+    for (i64 q0 = q_lo + threadIdx.x; q0 < q_hi; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
+      uint4 w[LOADS_IN_FLIGHT];
+#pragma unroll
+      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+        const i64 q = q0 + (i64)u * blockDim.x;
+        if (q < q_hi) w[u] = __ldg(vrow + q);
+      }
+#pragma unroll
+      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+        const i64 q = q0 + (i64)u * blockDim.x;
+        if (q < q_hi) {
+          const Elem* e = reinterpret_cast<const Elem*>(&w[u]);
+#pragma unroll
+          for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
+        }
+      }
+    }
+    if (rank != GREEDY_CLUSTER - 1) return;
+    start = nvec * PER_VEC;
+  } else {
+    start = V * rank / GREEDY_CLUSTER;
+    V = V * (rank + 1) / GREEDY_CLUSTER;
+  }
+  for (i64 v = start + threadIdx.x; v < V; v += blockDim.x) f(load_elem(row, v), v);
+}
+
+template <typename Elem>
+__device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents, const i64* num_nodes,
+                                           const Elem* logits, i64 V, i64 ld, const i64* seq_lens, int N, int M,
+                                           int C, i64* accepted, i64* accept_lens, i64* bonus_out, i64* committed,
+                                           i64* new_seq_lens, i64* errors_out) {
+  __shared__ short par[MAX_WIDTH];
+  __shared__ GreedyPartial part[2];
+  __shared__ float sv[32];
+  __shared__ i64 si[32];
+  __shared__ i64 s_choice;
+  __shared__ int s_next, s_err, s_nan;
+  const u32 rank = cluster_ctarank();
+  const bool leader = rank == 0;  // the block that writes the request's outputs
+  const int b = blockIdx.x / GREEDY_CLUSTER;
+  int* errors = &s_err;
+  if (threadIdx.x == 0) s_err = 0;
+  __syncthreads();
+  const int n = load_tree(parents, num_nodes, b, N, par, errors);
+  __syncthreads();
+  const i64* tok = tokens + (i64)b * N;
+  const bool vec_ok = (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
+  if (leader && threadIdx.x == 0) accepted[(i64)b * M] = 0;
+  int cur = 0, tau = 1;
+  i64 choice = 0;
+  for (int step = 0;; ++step) {
+    const Elem* row = logits + ((i64)b * N + cur) * ld;
+    float bv = -__int_as_float(0x7f800000);
+    i64 bi = 0x7fffffffffffffffLL;
+    bool nan = false;
+    for_each_in_slice(row, V, vec_ok, rank, [&](float x, i64 i) {
+      if (x != x) nan = true;
+      else if (better(x, i, bv, bi)) { bv = x; bi = i; }
+    });
+    block_argmax(bv, bi, sv, si);
+    const int any_nan = __syncthreads_or(nan);
+    GreedyPartial* mine = &part[step & 1];
+    if (threadIdx.x == 0) { mine->v = bv; mine->nan = any_nan; mine->i = bi; }
+    cluster_barrier();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      float v = -__int_as_float(0x7f800000);
+      i64 i = 0x7fffffffffffffffLL;
+      int nn = 0;
+      if (lane < GREEDY_CLUSTER) {
+        const GreedyPartial p = cluster_load(mine, (u32)lane);
+        v = p.v; i = p.i; nn = p.nan;
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        const i64 oi = __shfl_xor_sync(0xffffffffu, i, off);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+      }
+      nn = __any_sync(0xffffffffu, nn != 0);
+      if (lane == 0) {
+        s_choice = i == 0x7fffffffffffffffLL ? 0 : i;  // every entry NaN: token 0, flagged (row_argmax's rule)
+        s_nan = nn;
+        s_next = NO_CHILD;
+      }
+    }
+    __syncthreads();
+    choice = s_choice;
+    if (s_nan && threadIdx.x == 0) atomicOr(errors, ERR_NAN);
+    for (int i = cur + 1 + threadIdx.x; i <= n; i += blockDim.x)
+      if (par[i] == cur && tok[i] == choice) atomicMin(&s_next, i);
+    __syncthreads();
+    const int nxt = s_next;  // s_choice / s_next are rewritten next step only after block_argmax's barriers
+    if (nxt == NO_CHILD) break;
+    if (tau >= M) {
+      if (threadIdx.x == 0) atomicOr(errors, ERR_MAX_DEPTH);
+      break;
+    }
+    if (leader && threadIdx.x == 0) {
+      accepted[(i64)b * M + tau] = nxt;
+      committed[(i64)b * C + tau - 1] = tok[nxt];
+    }
+    ++tau;
+    cur = nxt;
+  }
+  cluster_barrier();  // no block leaves while another may still read its partials
+  if (leader)
+    finish(b, tau, cur, choice, M, C, seq_lens, accepted, accept_lens, bonus_out, committed, new_seq_lens, &s_err,
+           errors_out);
+}
+
+#define ACCEPT_GREEDY_ENTRY(NAME, ELEM)                                                                        \
+  extern "C" __global__ void __cluster_dims__(GREEDY_CLUSTER, 1, 1) __launch_bounds__(GREEDY_THREADS)          \
+      NAME(const i64* tokens, const i64* parents, const i64* num_nodes, const ELEM* logits, i64 V, i64 ld,      \
+           const i64* seq_lens, int N, int M, int C, i64* accepted, i64* accept_lens, i64* bonus_out,          \
+           i64* committed, i64* new_seq_lens, i64* errors_out) {                                               \
+    accept_greedy_cluster_impl<ELEM>(tokens, parents, num_nodes, logits, V, ld, seq_lens, N, M, C, accepted,    \
+                                     accept_lens, bonus_out, committed, new_seq_lens, errors_out);             \
+  }
+ACCEPT_GREEDY_ENTRY(accept_greedy_f32, float)
+ACCEPT_GREEDY_ENTRY(accept_greedy_bf16, unsigned short)

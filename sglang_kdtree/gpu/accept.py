@@ -44,6 +44,9 @@ MAX_WIDTH = 1025
 MAX_VOCAB = 1 << 19
 _ACCEPT_THREADS_IDS = 256
 _ACCEPT_THREADS_LOGITS = 1024
+#: greedy accept over logits: blocks per request (a thread-block cluster; GREEDY_CLUSTER in the .cu) and threads
+_GREEDY_CLUSTER = 8
+_GREEDY_THREADS = 512
 
 
 @dataclass
@@ -246,11 +249,12 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), _ptr(seq_lens), *dims, *common_out),
             )
         else:
-            name = "accept_logits_f32" if t.dtype == torch.float32 else "accept_logits_bf16"
+            # one cluster of _GREEDY_CLUSTER blocks per request splits each visited row (kernel's comment)
+            name = "accept_greedy_f32" if t.dtype == torch.float32 else "accept_greedy_bf16"
             _kernel(name)(
-                (bs,), (_ACCEPT_THREADS_LOGITS,),
+                (bs * _GREEDY_CLUSTER,), (_GREEDY_THREADS,),
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
-                 _ptr(seq_lens), _ptr(None), _ptr(None), _ptr(None), _ptr(None), _ptr(None), *dims, *common_out),
+                 _ptr(seq_lens), *dims, *common_out),
             )
     return res
 

@@ -193,6 +193,52 @@ def test_fused_argmax_ties_and_vocab_sizes(vocab):
             assert_same(res, expect)
 
 
+@pytest.mark.parametrize("vocab", [5, 4099, 163840])
+def test_fused_argmax_across_the_cluster_slices(vocab):
+    """The greedy walk splits each visited row over a cluster of 8 blocks: equal maxima in two different
+    slices go to the lower id, a NaN in a non-leader block's slice is flagged by the request (and never chosen),
+    a row whose only finite maximum sits in the last slice's tail is found, and an all-NaN row commits token 0
+    flagged (row_argmax's rule). Checked against the reference on the NaN-free equivalent."""
+    torch = _torch()
+    from sglang_kdtree.gpu.accept import accept_greedy
+
+    rng = np.random.default_rng(vocab + 1)
+    bs, width = 6, 9
+    trees = random_trees(rng, bs, width, min(vocab, 5))
+    tgt = steered_targets(rng, trees, min(vocab, 5))
+    x = rng.normal(size=(bs * width, vocab)).astype(np.float32)
+    rows = tgt.reshape(-1)
+    x[np.arange(rows.size), rows] = 9.0  # the steered token: lower ids than any slice boundary below
+    slice_ = max(1, vocab // 8)
+    if vocab > 16:
+        x[0:width, min(vocab - 1, 6 * slice_ + 3)] = 9.0  # request 0: a tie in slice 6 (higher id: loses)
+        x[width:2 * width, vocab - 1] = 9.0  # request 1: a tie in the last column (loses)
+        x[2 * width:3 * width, vocab - 2] = float("nan")  # request 2: NaN in the last block's slice
+        x[3 * width:4 * width, 5 * slice_ + 1] = float("nan")  # request 3: NaN in slice 5
+    clean = np.where(np.isnan(x), -np.inf, x)
+    expect = ref.accept_greedy(trees, clean.reshape(bs, width, vocab), max_depth=width - 1)
+    g = to_gpu(trees)
+    for dtype in (torch.float32, torch.bfloat16):
+        for lt in (torch.from_numpy(x).cuda().to(dtype),
+                   torch.nn.functional.pad(torch.from_numpy(x).cuda().to(dtype), (0, 3))[:, :vocab]):
+            res = accept_greedy(g, lt, width - 1, out=poisoned_out(bs, width, width - 1))
+            np.testing.assert_array_equal(res.accepted.cpu().numpy(), expect.accepted)
+            np.testing.assert_array_equal(res.committed.cpu().numpy()[:, : expect.committed.shape[1]],
+                                          expect.committed)
+            np.testing.assert_array_equal(res.bonus.cpu().numpy(), expect.bonus)
+            bits = res.errors.cpu().numpy()
+            want = np.zeros(bs, dtype=np.int64)
+            if vocab > 16:
+                # a request's NaN is seen only if its walk visits a row holding one (all rows of 2 and 3 do)
+                want[2] = want[3] = 8
+            np.testing.assert_array_equal(bits, want)
+    # an all-NaN root row: token 0, flagged
+    x_nan = np.full((bs * width, vocab), np.nan, dtype=np.float32)
+    res = accept_greedy(g, torch.from_numpy(x_nan).cuda(), width - 1, out=poisoned_out(bs, width, width - 1))
+    assert (res.bonus.cpu().numpy() == 0).all()  # every visited row is all NaN: the choice is always token 0
+    assert (res.errors.cpu().numpy() & 8 == 8).all()
+
+
 def test_matches_sglang_verify_tree_greedy():
     torch = _torch()
     tree_ops = pytest.importorskip("sglang.kernels.ops.speculative.tree")
