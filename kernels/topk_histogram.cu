@@ -482,15 +482,28 @@ __device__ __forceinline__ void emit(int r, int kout, int i, u64 w, double lse, 
 
 // Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
 // got are padded) in descending order. Rank by counting (each composite's place is the number of larger
-// ones: no barrier) when got <= RANK_ITEMS; else (only from the radix select's winners, got <= kout <=
-// MAX_K, src == hw) a bitonic sort in place.
+// ones: no barrier; several lanes per composite when got <= S_THREADS / 2) when got <= RANK_ITEMS; else
+// (only from the radix select's winners, got <= kout <= MAX_K, src == hw) a bitonic sort in place.
 #define RANK_ITEMS 512
 template <int MODE>
 __device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, double lse,
                                             float* __restrict__ out_vals, long long* __restrict__ out_ids,
                                             long long id_offset) {
   const int tid = threadIdx.x;
-  if (got <= RANK_ITEMS) {
+  if (got <= S_THREADS) {
+    // p lanes per composite (a power of two <= 32 with got * p <= S_THREADS: an aligned group of one warp),
+    // each counting every p-th of the larger ones, summed over the group
+    int p = 1;
+    while (p < 32 && got * (p << 1) <= S_THREADS) p <<= 1;
+    const int i = tid / p, sub = tid & (p - 1);
+    const u64 w = i < got ? src[i] : 0ull;
+    int rank = 0;
+    if (i < got)
+#pragma unroll 4
+      for (int j = sub; j < got; j += p) rank += src[j] > w;
+    for (int o = 1; o < p; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);  // p is block-uniform
+    if (i < got && sub == 0 && rank < kout) emit<MODE>(r, kout, rank, w, lse, out_vals, out_ids, id_offset);
+  } else if (got <= RANK_ITEMS) {
     for (int i = tid; i < got; i += S_THREADS) {
       const u64 w = src[i];
       int rank = 0;

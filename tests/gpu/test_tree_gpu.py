@@ -294,14 +294,15 @@ def test_topk_histogram_chunk_bound_edges(v):
 
 
 def test_topk_histogram_rank_route_sizes():
-    """The select's direct ranking (<= 512 candidates in shared memory) against the radix select (more) at
-    the switch: rows with exactly 511 / 512 / 513 keys at or above the boundary bin (one tied bin), every K
-    to 1024, and the cut pipeline as a second opinion."""
+    """The select's direct ranking (<= 512 candidates in shared memory; 2..32 lanes per candidate up to 128,
+    one up to 256, a loop up to 512) against the radix select (more) at the switches: rows with exactly
+    64 / 65 / 128 / 129 / 256 / 257 / 511 / 512 / 513 keys at or above the boundary bin (one tied bin), every
+    K to 1024, and the cut pipeline as a second opinion."""
     topk, _, _ = _gpu()
     rng = np.random.default_rng(77)
     v = 40000
     rows = []
-    for tied in (511, 512, 513, 3000):
+    for tied in (64, 65, 128, 129, 256, 257, 511, 512, 513, 3000):
         x = np.clip(rng.normal(0, 1, size=v), -3.5, 3.5).astype(np.float32)
         x[rng.permutation(v)[:tied]] = 6.0
         rows.append(x)
