@@ -5,21 +5,21 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 DFLASH-family algorithm; a returned message aborts just that request with it).
 
 Why: the tree round has no grammar-constrained walk and, at T > 0, samples from ``softmax(logits / T)``
-only (logprobs are served: ``sglang_kdtree/spec_logprobs.py``). Without this check such a request would
-reach the worker, whose ``ValueError`` would stop the scheduler for every request, or be served a different
-distribution than it asked for. Under KDTREE a request is aborted at admission with a message naming the
-field when it asks for
+filtered by top-k, top-p and min-p only (logprobs are served: ``sglang_kdtree/spec_logprobs.py``). Without
+this check such a request would reach the worker, whose ``ValueError`` would stop the scheduler for every
+request, or be served a different distribution than it asked for. Under KDTREE a request is aborted at
+admission with a message naming the field when it asks for
 
 * a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);
 * at any temperature, what SGLang's sampler applies to the logits before it picks, even the argmax, and the
   tree accept does not: ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty``
   other than 1, ``min_new_tokens`` > 0 (these are SGLang's penalizers), a ``logit_bias``, a custom logit
   processor;
-* at T > 0, ``min_p > 0`` (greedy requests are unaffected: min-p keeps the argmax; top-k and top-p are
-  applied by the accept);
 * an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
 
-Other requests go to SGLang's check.
+Temperature, top-k, top-p and min-p are served: at T > 0 the tree accept applies them at every node as SGLang's
+sampler does (``reference.filter_top_k_top_p``; ``kernels/tree_accept.cu`` on CUDA), and at T = 0 none of
+them changes the argmax. Other requests go to SGLang's check.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 #: (field, value that means "off") of SGLang's penalizers, which change the logits before any pick (greedy too)
 _UNSERVED_ANY_T = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
                    ("min_new_tokens", 0))
-#: (field, value that means "off") of the filters the tree accept does not apply at T > 0
-_UNSERVED_AT_T = (("min_p", 0.0),)
 
 
 def _first_on(params, fields) -> tuple[str, object] | None:
@@ -55,12 +53,6 @@ def _sampling_error(req, params) -> str | None:
         return "KDTREE speculative decoding does not apply logit_bias yet: drop logit_bias"
     if getattr(req, "custom_logit_processor", None):
         return "KDTREE speculative decoding does not run custom logit processors yet: drop custom_logit_processor"
-    if getattr(params, "top_k", -1) == 1:  # SGLang's encoding of greedy (temperature 0): the argmax is served
-        return None
-    on = _first_on(params, _UNSERVED_AT_T)
-    if on is not None:
-        return (f"KDTREE speculative decoding applies temperature, top_k and top_p only; {on[0]} is not "
-                f"applied yet: drop {on[0]} (got {on[1]}) or use temperature 0")
     return None
 
 

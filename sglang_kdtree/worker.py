@@ -26,7 +26,7 @@ Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server w
 ``--disable-overlap-schedule`` is refused at startup). The round still reads lengths on the host (tree
 widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
 
-Sampling at T > 0: temperature, top-k and top-p as SGLang's sampler applies them (min-p and penalties are
+Sampling at T > 0: temperature, top-k, top-p and min-p as SGLang's sampler applies them (penalties are
 refused at admission, ``patches/request_validation.py``), with a per-request generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible
 (the prefill's token of a seeded request is drawn by the same sampler; SGLang itself honours seeds only
 under ``--enable-deterministic-inference``, which CPU backends do not support).
@@ -259,9 +259,11 @@ class KDTreeWorker(DFlashWorkerV2):
             return
         index = torch.tensor(rows, device=self.device)
         top_ks, top_ps = _per_request(sampling.top_ks), _per_request(sampling.top_ps)
+        min_ps = _per_request(sampling.min_ps) if sampling.need_min_p_sampling else None
         drawn = self.backend.sample_tokens(logits[index, : self.vocab_size], temps[index], seeds[index],
                                            batch.seq_lens[index], None if top_ks is None else top_ks[index],
-                                           None if top_ps is None else top_ps[index])
+                                           None if top_ps is None else top_ps[index],
+                                           None if min_ps is None else min_ps[index])
         result.next_token_ids[index] = drawn.to(result.next_token_ids.dtype)
         reseed_prefill_logprobs(batch, result.logits_output, logits[index, : self.vocab_size], index, drawn)
         # the next round's root is the draft input's own (int64) copy of the token: it must be the same one
@@ -536,7 +538,9 @@ class KDTreeWorker(DFlashWorkerV2):
             seeds, _ = self._request_seeds(batch)
             acc = self.backend.accept_sampled(trees, logits, sampling.temperatures.view(-1), seeds.view(-1),
                                               prefix_lens, self.depths, top_ks=_per_request(sampling.top_ks),
-                                              top_ps=_per_request(sampling.top_ps))
+                                              top_ps=_per_request(sampling.top_ps),
+                                              min_ps=_per_request(sampling.min_ps if sampling.need_min_p_sampling
+                                                                  else None))
             accept_lens = acc.accept_lens.to(torch.int64)
             marks.mark("accept")
             commit = self.backend.commit_plan(acc.accepted, accept_lens, verify_slots)

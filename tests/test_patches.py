@@ -237,12 +237,12 @@ def _sampled_req(ids=(1, 2, 3), **overrides):
     return _Obj(return_logprob=False, sampling_params=params, origin_input_ids=list(ids))
 
 
-@pytest.mark.parametrize("field, value, greedy_too", [
-    ("min_p", 0.05, False), ("frequency_penalty", 0.5, True), ("presence_penalty", -0.3, True),
-    ("repetition_penalty", 1.1, True), ("min_new_tokens", 3, True), ("logit_bias", {"5": 2.0}, True)])
-def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch, field, value, greedy_too):
-    """min-p is refused at T > 0 only (it keeps the argmax); SGLang's penalizers and logit_bias change the
-    logits before even a greedy pick, so they are refused at any temperature."""
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -0.3), ("repetition_penalty", 1.1), ("min_new_tokens", 3),
+    ("logit_bias", {"5": 2.0})])
+def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch, field, value):
+    """SGLang's penalizers and logit_bias change the logits before even a greedy pick, so they are refused at
+    any temperature."""
     from sglang_kdtree import worker
     from sglang_kdtree.patches import request_validation as patch
 
@@ -254,16 +254,32 @@ def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch,
     if not isinstance(value, dict):
         assert str(value) in error
     greedy = patch.validate_dflash_request(original, _sampled_req(temperature=0, **{field: value}), False)
-    if greedy_too:
-        assert greedy != "original" and field in greedy
-    else:
-        assert greedy == "original"
-    # temperature, top-k and top-p are served (the tree accept applies them)
+    assert greedy != "original" and field in greedy
+    # temperature, top-k, top-p and min-p are served (the tree accept applies them)
     assert patch.validate_dflash_request(original, _sampled_req(), False) == "original"
     assert patch.validate_dflash_request(original, _sampled_req(top_k=40, top_p=0.9), False) == "original"
     # and nothing is refused when this process is not a KDTREE server
     monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
     assert patch.validate_dflash_request(original, _sampled_req(**{field: value}), False) == "original"
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0])
+@pytest.mark.parametrize("filters", [{"min_p": 0.05}, {"min_p": 1.0}, {"min_p": 0.3, "top_k": 20, "top_p": 0.9}])
+def test_kdtree_serves_min_p_with_or_without_top_k_and_top_p(monkeypatch, temperature, filters):
+    """min-p is applied by the tree accept (``reference.filter_top_k_top_p``, ``kernels/tree_accept.cu``): it
+    reaches SGLang's own check at any temperature, alone or with top-k / top-p."""
+    from sglang_kdtree import worker
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    req = _sampled_req(temperature=temperature, **filters)
+    assert req.sampling_params.min_p == filters["min_p"]
+    assert patch.validate_dflash_request(original, req, False) == "original"
+    # while a refused field next to it is still refused
+    assert "presence_penalty" in patch.validate_dflash_request(
+        original, _sampled_req(temperature=temperature, presence_penalty=0.5, **filters), False)
 
 
 def test_kdtree_refuses_custom_logit_processors(monkeypatch):

@@ -287,10 +287,12 @@ def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_res
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain[:4]]
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_p": 1e-6}, {"temperature": 1.0, "top_k": 1}])
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_p": 1e-6}, {"temperature": 1.0, "top_k": 1},
+                                    {"temperature": 1.0, "min_p": 1.0}])
 def test_top_p_and_top_k_filter_the_tree_accept(kdtree_server, greedy_results, params):
-    """T = 1 with top_p ~ 0 or top_k 1 leaves only the argmax: the plain server then answers greedily, and so
-    must KDTREE (before the accept applied the filters it sampled at T = 1: 7 of 24 greedy on the tiny Llama)."""
+    """T = 1 with top_p ~ 0, top_k 1 or min_p 1 (only tokens tied with the max; the tiny targets' logits have
+    no such ties) leaves only the argmax: the plain server then answers greedily, and so must KDTREE (before
+    the accept applied the filters it sampled at T = 1: 7 of 24 greedy on the tiny Llama)."""
     plain, _ = greedy_results
     got = _concurrent(kdtree_server, [{"input_ids": p, "sampling_params": {"max_new_tokens": NEW_TOKENS, **params}}
                                       for p in PROMPTS])
@@ -416,6 +418,21 @@ def _pairs(server, prompt, params) -> list[tuple[int, int]]:
     return [tuple(r["output_ids"][:2]) for r in results]
 
 
+def _pairs_second_unfiltered(server, prompt, params, drop: str) -> list[tuple[int, int]]:
+    """What a KDTREE that ignored ``drop`` in its accept would return: the first token as the plain server
+    samples it with ``params`` (KDTREE's first token comes from SGLang's own prefill sampler, which applies the
+    filter), the second sampled by the plain server after it without ``drop`` (a one-token request on the
+    prompt extended by the first token)."""
+    firsts = [a for a, _ in _pairs(server, prompt, params)]
+    rest = {k: v for k, v in params.items() if k != drop}
+    payloads = [{"input_ids": prompt + [a], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True, **rest}}
+                for a in firsts]
+    results = []
+    for start in range(0, len(payloads), 100):
+        results += _concurrent(server, payloads[start:start + 100])
+    return [(a, r["output_ids"][0]) for a, r in zip(firsts, results)]
+
+
 def _homogeneity_p(a: list, b: list) -> float:
     from collections import Counter
 
@@ -435,17 +452,25 @@ def _homogeneity_p(a: list, b: list) -> float:
     ({"temperature": 2.0, "top_p": 0.6}, {"temperature": 2.0}),  # control: the filter ignored
     ({"temperature": 2.0, "top_k": 3}, {"temperature": 2.0}),
     ({"temperature": 0.7}, {"temperature": 1.5}),  # control: another temperature
-], ids=["top_p", "top_k", "temperature"])
+    # control: min-p applied to the first token only (SGLang's prefill sampler does that on the KDTREE server
+    # too), not to the second, which the tree accept draws; at T 2 on this prompt (tiny Llama, transformers in
+    # float64) min-p 0.1 keeps 5 first tokens and then cuts 63% of the second token's mass
+    ({"temperature": 2.0, "min_p": 0.1}, "min_p"),
+], ids=["top_p", "top_k", "temperature", "min_p"])
 def test_sampling_distribution_equals_the_plain_server(plain_server, kdtree_server, params, control):
-    """Temperature, top-k and top-p: KDTREE's samples and the plain server's come from one distribution (not
-    rejected at ALPHA), while the plain server's samples under ``control`` (what a KDTREE that ignored the
-    setting would draw from) are rejected: the test has power against that error, in this very run."""
+    """Temperature, top-k, top-p and min-p: KDTREE's samples and the plain server's come from one distribution
+    (not rejected at ALPHA), while the plain server's samples under ``control`` (what a KDTREE that ignored the
+    setting would draw from: other parameters, or, given a field name, that field dropped from the second
+    token only) are rejected: the test has power against that error, in this very run."""
     if plain_server.model_name != "llama":
         pytest.skip("one target is enough for the distribution test (CI time)")
     prompt = PROMPTS[3]
     plain = _pairs(plain_server, prompt, params)
     spec = _pairs(kdtree_server, prompt, params)
-    other = _pairs(plain_server, prompt, control)
+    if isinstance(control, str):
+        other = _pairs_second_unfiltered(plain_server, prompt, params, control)
+    else:
+        other = _pairs(plain_server, prompt, control)
     p_same = _homogeneity_p(plain, spec)
     p_control = _homogeneity_p(plain, other)
     print(f"\n{params}: distinct pairs plain {len(set(plain))}, kdtree {len(set(spec))}, control {control} "
