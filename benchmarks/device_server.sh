@@ -22,7 +22,8 @@
 #   unit tests, -m "gpu and not slow"), ALL_GPUS=1 (the tests / probe see every GPU: TP 2), BENCH_AFTER=1 (the
 #   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0), BENCH_KINDS (bench_server.py
-#   --kinds, e.g. "plain dflash kdtree kdtree-log").
+#   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
+#   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
@@ -101,6 +102,15 @@ run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped ta
     --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" \
     ${BENCH_KINDS:+--kinds $BENCH_KINDS}
 }
+run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_parts.py), and AB_COMMIT's beside it
+  CUDA_VISIBLE_DEVICES=$1 step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json"
+  if [ -n "${AB_COMMIT:-}" ]; then
+    rm -rf /tmp/ab_old && git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
+    ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
+    CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda" \
+      step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32
+  fi
+}
 run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the round's graphs)
   # (the stand-in on the path: the Marlin tests import SGLang's quantization package, which imports sgl_kernel)
   CUDA_VISIBLE_DEVICES=$1 step unit 150 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
@@ -108,13 +118,14 @@ run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBack
 }
 if [ -n "${PARALLEL:-}" ] && [ "$NGPU" -ge 2 ]; then
   # PARALLEL=1: the unit tests and then the bench on GPU 1 while the tests / probe use GPU 0
-  ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
+  ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${PARTS:-}" ] && run_parts 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
   BENCH_PID=$!
-  UNIT=; BENCH_AFTER=; BENCH=
+  UNIT=; BENCH_AFTER=; BENCH=; PARTS=
 fi
 if [ -n "${UNIT:-}" ]; then
   run_unit "${CUDA_VISIBLE_DEVICES:-0}"  # first, alone
 fi
+[ -n "${PARTS:-}" ] && run_parts "${CUDA_VISIBLE_DEVICES:-0}"
 if [ -n "${BENCH:-}" ] && [ -z "${BENCH_AFTER:-}" ]; then
   # beside the tests: on the second GPU when there is one (the tests' servers stay on the first), else on the
   # same GPU (timings then share it)
@@ -154,6 +165,7 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
   [ -n "$e" ] && echo "$(basename "$f"): $e"
 done
 [ -f "$LOGS/unit.log" ] && { echo "== unit"; grep -E "^(FAILED|ERROR)" "$LOGS/unit.log" | head; tail -1 "$LOGS/unit.log"; }
+for f in "$LOGS"/parts*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -5 "$f"; }; done
 [ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed|per step" "$LOGS/bench.log" | head -60; }
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
