@@ -31,7 +31,8 @@ __all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
 MAX_BUDGET = 1024
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
-_STATIC_SMEM = 25648  # static shared memory of build_trees_kernel (ptxas -v), for the dynamic-size opt-in
+_STATIC_SMEM = 34560  # static shared memory of build_trees_kernel (34464 B on the H200, rounded up), for the dynamic-size opt-in
+_THREADS = 128  # build_trees_kernel: warp 0 builds the tree, warps 1.. validate the input meanwhile
 _SMEM_LIMIT = 227 * 1024
 
 
@@ -155,7 +156,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
         raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
     fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - _STATIC_SMEM
     with runtime.current_stream():
-        fn((bs,), (32,),
+        fn((bs,), (_THREADS,),
            (_ptr(lp), _ptr(ids), _ptr(roots), np.int32(depth), np.int32(k), np.int32(max(budget, 0)), np.int32(ks),
             _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents), _ptr(out.ranks), _ptr(out.scores),
             _ptr(out.num_nodes), _ptr(error_flag)),

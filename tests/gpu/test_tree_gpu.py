@@ -471,3 +471,57 @@ def test_cuda_graph_replay_matches_eager():
         want = ref.build_trees(lp, ids, budget, roots.cpu().numpy())
         np.testing.assert_array_equal(e_trees.tokens.cpu().numpy(), want.tokens)
     builder.check()
+
+
+def _poisoned_build(tree, lp, ids, budget, roots):
+    out = tree._alloc_tree(lp.shape[0], max(budget, 0) + 1, "cuda")
+    for t in (out.tokens, out.depths, out.parents, out.ranks, out.num_nodes):
+        t.fill_(12345)  # poison
+    out.scores.fill_(-7.25)
+    return tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
+                            torch.from_numpy(roots).cuda(), out=out, check=True)
+
+
+def _compare_full(got, lp, ids, budget, roots):
+    """Every output of every request against reference.build_tree: tokens, depths, parents, ranks, scores
+    (bytes), num_nodes, and the padding rows."""
+    _compare_trees(got, ref.build_trees(lp, ids, budget, roots))
+    ranks, scores = got.ranks.cpu().numpy(), got.scores.cpu().numpy()
+    for b in range(lp.shape[0]):
+        t = ref.build_tree(lp[b], ids[b], budget)
+        n = t.num_nodes
+        np.testing.assert_array_equal(ranks[b, 1: n + 1], t.ranks)
+        assert scores[b, 1: n + 1].tobytes() == t.scores.tobytes()
+        assert ranks[b, 0] == -1 and (ranks[b, n + 1:] == -1).all()
+        assert scores[b, 0] == 0.0 and (scores[b, n + 1:] == 0.0).all()
+
+
+@pytest.mark.parametrize("budget", [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 128, 129])
+def test_tree_candidate_slot_row_boundaries(budget):
+    """The kernel stores candidate slot g in lane g % 32, row g // 32 (budget + 1 slots): budgets around
+    whole rows, heavy exact-score ties (+0.0 / -0.0 mixed, so the rank-tuple walk runs within and across
+    lanes), -inf tails, K below and above the budget, L = 1 and L = 31."""
+    _, tree, _ = _gpu()
+    rng = np.random.default_rng(1000 + budget)
+    for depth, k in ((1, 64), (31, 3), (15, max(1, budget // 3)), (4, budget + 2), (31, 33)):
+        for tie_heavy in (True, False):
+            lp, ids = _sorted_rows(rng, 6, depth, k, tie_heavy=tie_heavy)
+            zero = lp == 0
+            lp[zero] = rng.choice(np.array([0.0, -0.0], dtype=np.float32), size=int(zero.sum()))
+            if k > 2:
+                lp[1, :, k // 2:] = -np.inf  # every row cut: K effectively below the budget
+            lp[2, depth // 2, :] = -np.inf  # a whole depth impossible: the tree stops there
+            roots = rng.integers(0, 1000, size=6).astype(np.int64)
+            _compare_full(_poisoned_build(tree, lp, ids, budget, roots), lp, ids, budget, roots)
+
+
+def test_tree_all_scores_equal_forces_tuple_order():
+    """Every log-prob 0 (or -0.0): all candidates tie exactly, so the whole pop order is the rank-tuple order
+    (shorter prefix first), decided by the tuple walk in the warp argmax."""
+    _, tree, _ = _gpu()
+    rng = np.random.default_rng(77)
+    for budget, depth, k in ((64, 15, 64), (100, 31, 4), (33, 2, 40), (1024, 31, 2)):
+        lp = rng.choice(np.array([0.0, -0.0], dtype=np.float32), size=(2, depth, k))
+        ids = rng.integers(0, 50000, size=(2, depth, k)).astype(np.int64)
+        roots = np.arange(2, dtype=np.int64)
+        _compare_full(_poisoned_build(tree, lp, ids, budget, roots), lp, ids, budget, roots)
