@@ -3,7 +3,8 @@
     python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json]
 
 The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greedy``, the path a CUDA server
-with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay), and
+with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay) and as
+bare replays of the captured graphs (device time only), and
 each of their parts is captured and replayed alone: the draft head GEMM (the drafter's lm_head: part of the
 draft, not of the bookkeeping), top-K + logsumexp, the best-first tree, the verify inputs, the greedy accept,
 the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row
@@ -46,6 +47,14 @@ def _time(fn, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def _replay_time(graphs) -> float:
+    """Median device microseconds of one replay of the step graph ``graphs`` captured last (nan if none)."""
+    if not graphs._graphs:
+        return float("nan")
+    graph, _ = list(graphs._graphs.values())[-1]
+    return _time(graph.replay)
+
+
 def _pool(rows: int, layers: int):
     """An SGLang ``MLATokenToKVPool`` with only what ``compact_kv``'s table reads (as the GPU tests build it)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -56,19 +65,21 @@ def _pool(rows: int, layers: int):
     return pool
 
 
-def _target(trees, vocab: int, agree: float, gen) -> torch.Tensor:
-    """fp32 target logits whose argmax at a node is its first child's token with probability ``agree``."""
+def _target(trees, vocab: int, agree: float, gen, seed: int) -> torch.Tensor:
+    """fp32 target logits whose argmax at a node is its first child's token with probability ``agree`` (the
+    host draws from a generator seeded with ``seed``: the same accept lengths in every run)."""
     bs, width = trees.tokens.shape
     logits = torch.randn((bs, width, vocab), device="cuda", generator=gen)
+    host = torch.Generator().manual_seed(seed)
     parents, tokens = trees.parents.cpu(), trees.tokens.cpu()
     first_child = torch.full((bs, width), -1, dtype=torch.int64)
     for b in range(bs):
         for i in range(int(trees.num_nodes[b]), 0, -1):
             first_child[b, int(parents[b, i])] = i
     pick = torch.where(first_child >= 0, tokens.gather(1, first_child.clamp_min(0)),
-                       torch.randint(vocab, (bs, width)))
-    hit = torch.rand((bs, width)) < agree
-    pick = torch.where(hit, pick, torch.randint(vocab, (bs, width))).cuda()
+                       torch.randint(vocab, (bs, width), generator=host))
+    hit = torch.rand((bs, width), generator=host) < agree
+    pick = torch.where(hit, pick, torch.randint(vocab, (bs, width), generator=host)).cuda()
     logits.scatter_add_(2, pick[:, :, None], torch.full((bs, width, 1), 40.0, device="cuda"))
     return logits
 
@@ -93,6 +104,9 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
         trees, verify, draft_logits = backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_sum)
     out["tree_step graph"] = _time(lambda: backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens,
                                                              seq_sum))
+    # the captured graph alone (top-K -> tree -> verify inputs): the device time when the host runs ahead, as in
+    # a server whose host queues the step while the GPU still runs the draft forward
+    out["tree graph replay"] = _replay_time(backend._tree_graphs)
     logits = torch.empty((bs * depth, vocab), device="cuda", dtype=torch.bfloat16)
     out["head GEMM"] = _graph_time(lambda: torch.matmul(rows, weight.t(), out=logits))
     lg3 = logits.view(bs, depth, vocab)
@@ -103,7 +117,7 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     trees = backend.build(lp, ids, budget, roots)
     out["verify inputs"] = _graph_time(lambda: backend.verify_inputs(trees, seq_lens, seq_lens_sum=seq_sum))
 
-    target = _target(trees, vocab, agree, gen)
+    target = _target(trees, vocab, agree, gen, seed=bs)
     hidden_rows = torch.randn((bs * width, 7168), device="cuda", generator=gen).to(torch.bfloat16)
     pool = _pool(bs * width * 2 + 64, layers)
     slots = torch.randperm(bs * width * 2, device="cuda", generator=gen)[: bs * width].view(bs, width)
@@ -112,6 +126,7 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
                                                         graph=True)
     out["accept_commit graph"] = _time(lambda: backend.accept_commit_greedy(trees, target, depth, slots, pool,
                                                                             hidden_rows, width, graph=True))
+    out["accept_commit graph replay"] = _replay_time(backend._commit_graphs)
     out["accept len"] = float(acc.accept_lens.float().mean())
     out["accept"] = _graph_time(lambda: backend.accept_greedy(trees, target, depth))
     acc = backend.accept_greedy(trees, target, depth)
@@ -121,12 +136,14 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     out["KV compaction"] = _graph_time(lambda: backend.commit_kv(pool, plan))
     out["hidden gather"] = _graph_time(lambda: backend.gather_hidden(hidden_rows, plan, width))
     out["errors"] = int(backend.tree_errors.item()) | int(backend.commit_errors.item())
-    out["bookkeeping (graphs)"] = out["tree_step graph"] - out["head GEMM"] + out["accept_commit graph"]
+    out["bookkeeping (calls)"] = out["tree_step graph"] - out["head GEMM"] + out["accept_commit graph"]
+    out["bookkeeping (replays)"] = out["tree graph replay"] + out["accept_commit graph replay"]
     return out
 
 
-COLUMNS = ["tree_step graph", "head GEMM", "top-K", "tree", "verify inputs", "accept_commit graph", "accept",
-           "commit plan", "KV compaction", "hidden gather", "bookkeeping (graphs)", "accept len"]
+COLUMNS = ["tree_step graph", "tree graph replay", "head GEMM", "top-K", "tree", "verify inputs",
+           "accept_commit graph", "accept_commit graph replay", "accept", "commit plan", "KV compaction",
+           "hidden gather", "bookkeeping (calls)", "bookkeeping (replays)", "accept len"]
 
 
 def main(argv=None) -> int:
@@ -145,9 +162,13 @@ def main(argv=None) -> int:
         return 2
     rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree)
             for bs in args.batches]
+    import sglang_kdtree
+
+    print(f"sglang_kdtree from {sglang_kdtree.__file__}")
     print(f"us, median of replays; budget {args.budget}, depth {args.depth}, vocab {args.vocab}, "
-          f"head width {args.hidden}, {args.layers} MLA layers; bookkeeping = tree_step graph - head GEMM + "
-          "accept_commit graph")
+          f"head width {args.hidden}, {args.layers} MLA layers; bookkeeping (calls) = tree_step graph - head "
+          "GEMM + accept_commit graph, each timed around the worker's call on an idle GPU (host included); "
+          "bookkeeping (replays) = the two captured graphs replayed alone (device only)")
     print("| bs | " + " | ".join(COLUMNS) + " | errors |")
     print("|---" * (len(COLUMNS) + 2) + "|")
     for r in rows:
