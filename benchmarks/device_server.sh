@@ -23,7 +23,8 @@
 #   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
-#   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call).
+#   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call), KIMI_ROUND=1
+#   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
@@ -144,6 +145,12 @@ else
     ${TESTS:-tests/gpu/test_server_cuda.py}
 fi
 
+# KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after the tests / probe
+if [ -n "${KIMI_ROUND:-}" ]; then
+  KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
+  [ "$KR_S" -gt 40 ] && CUDA_VISIBLE_DEVICES=0 step kimi_round $(( KR_S + 20 )) python3 benchmarks/kimi_round.py \
+    --deadline $(( KR_S - 15 )) --json "$LOGS/kimi_round.json"
+fi
 [ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
 unset CUDA_VISIBLE_DEVICES
 # BENCH_AFTER=1: the bench after the tests, alone on GPU 0 (when the tests need every GPU)
@@ -166,6 +173,7 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
 done
 [ -f "$LOGS/unit.log" ] && { echo "== unit"; grep -E "^(FAILED|ERROR)" "$LOGS/unit.log" | head; tail -1 "$LOGS/unit.log"; }
 for f in "$LOGS"/parts*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -5 "$f"; }; done
+[ -f "$LOGS/kimi_round.log" ] && { echo "== kimi_round"; grep -E "^\||moonshot|FAILED" "$LOGS/kimi_round.log" | tail -30; }
 [ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed|per step" "$LOGS/bench.log" | head -60; }
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
