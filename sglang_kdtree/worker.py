@@ -26,6 +26,11 @@ Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server w
 ``--disable-overlap-schedule`` is refused at startup). The round still reads lengths on the host (tree
 widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
 
+Faults: NaN / +inf logits and the GPU kernels' error flags end only the requests they hit (``_round_faults``);
+an allocation failure (``torch.OutOfMemoryError`` / ``MemoryError``) anywhere in the round is retried once after
+the plugin's round caches are released, and a second failure ends every request of that batch
+(``_contained_round``; the policy is in ``sglang_kdtree.round_faults``).
+
 Sampling at T > 0: temperature, top-k, top-p and min-p as SGLang's sampler applies them (penalties are
 refused at admission, ``patches/request_validation.py``), with a per-request generator seeded from ``sampling_seed`` and the request's position, so a seeded request is reproducible
 (the prefill's token of a seeded request is drawn by the same sampler; SGLang itself honours seeds only
@@ -66,8 +71,10 @@ DUMP_ROUNDS = 4
 DUMP_COLUMNS = 2048
 
 #: Test-only fault injection: a path; while that file exists it holds ``{"<rid prefix>": "draft_nan" |
-#: "target_nan"}`` and the round writes a NaN into the draft (or target verify) logits of every request whose
-#: rid starts with a prefix, so the end-to-end tests can force a fault in one request of a live batch.
+#: "target_nan" | "round_oom" | "round_oom_twice"}`` and the round writes a NaN into the draft (or target verify)
+#: logits of every request whose rid starts with a prefix, so the end-to-end tests can force a fault in one
+#: request of a live batch; the ``round_oom`` kinds make the round's buffer reservation raise
+#: ``torch.OutOfMemoryError`` for a batch holding such a request (``round_faults``: once, or on the retry too).
 TEST_FAULTS_ENV = "KDTREE_TEST_FAULTS"
 
 #: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
@@ -221,7 +228,7 @@ class KDTreeWorker(DFlashWorkerV2):
             return result
         if batch.has_grammar:
             raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
-        return self._tree_round(batch, on_publish)
+        return self._contained_round(batch, on_publish)
 
     def _request_seeds(self, batch) -> tuple[torch.Tensor, list[bool]]:
         """Per-request sampling seeds: SGLang's (deterministic-inference mode), else each request's own
@@ -387,7 +394,8 @@ class KDTreeWorker(DFlashWorkerV2):
             f.write(json.dumps(record) + "\n")
 
     def _test_faults(self, batch) -> dict:
-        """``{"draft_nan": [b...], "target_nan": [b...]}`` for this batch from the ``KDTREE_TEST_FAULTS`` file."""
+        """``{"draft_nan": [b...], "target_nan": [b...], "round_oom": [b...], ...}`` (fault kind -> batch rows) for
+        this batch from the ``KDTREE_TEST_FAULTS`` file."""
         try:
             with open(self._test_faults_path) as f:
                 wanted = json.load(f)
@@ -440,6 +448,77 @@ class KDTreeWorker(DFlashWorkerV2):
             message = f"KDTREE round failed for this request: {'; '.join(problems)}"
             logger.error("%s (rid=%s)", message, req.rid)
             req.to_finish = FINISH_ABORT(message, status_code=500, err_type="InternalServerError")
+
+    def _contained_round(self, batch, on_publish):
+        """``_tree_round`` with its allocation failures contained (``sglang_kdtree.round_faults``).
+
+        A round raising ``torch.OutOfMemoryError`` or ``MemoryError`` runs once more, after the batch's fields
+        are put back and the plugin's round caches are released (on CUDA: the GPU backend's round buffers and
+        round graphs, then ``torch.cuda.empty_cache()``; on CPU nothing). If the retry fails too, every request
+        of the batch (the round's memory is per batch) is ended with ``FINISH_ABORT`` (HTTP 503) and kept out
+        of the radix cache, and the scheduler gets a result committing one placeholder token per request
+        (``_ended_round_result``); other batches and later rounds go on. At tensor parallelism > 1 the error
+        propagates as before (the other ranks are inside the round's collectives)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_kdtree import round_faults
+
+        faults = self._test_faults(batch) if self._test_faults_path is not None else {}
+        snapshot = round_faults.snapshot_batch(batch)
+        error = None
+        for attempt in (0, 1):
+            if attempt:
+                round_faults.restore_batch(batch, snapshot)
+                released = round_faults.release_round_caches(self.backend)
+                logger.warning("KDTREE round: retrying once after releasing %s", ", ".join(released) or "nothing")
+            try:
+                with round_faults.failing_reserve(self.backend, round_faults.injected_oom(faults, attempt)):
+                    return self._tree_round(batch, on_publish)
+            except round_faults.OOM_ERRORS as exc:
+                parallel = get_parallel()
+                if parallel.tp_size != 1 or getattr(parallel, "pp_size", 1) != 1:
+                    raise
+                error = round_faults.describe_error(exc)
+                logger.warning("KDTREE round (batch of %d, attempt %d) could not allocate memory: %s",
+                               len(batch.reqs), attempt + 1, error, exc_info=True)
+            # the exception and its traceback (the failed attempt's tensors) are dropped here, before the retry
+        round_faults.restore_batch(batch, snapshot)
+        return self._ended_round_result(batch, error, on_publish)
+
+    def _ended_round_result(self, batch, error: str, on_publish=None):
+        """End every request of ``batch`` after its round failed twice to allocate memory; the result commits
+        one placeholder token per request (see ``round_faults``)."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.managers.scheduler import GenerationBatchResult
+        from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+        from sglang_kdtree import round_faults
+
+        message = round_faults.abort_message(error)
+        for req in batch.reqs:
+            if req.to_finish is None:
+                req.to_finish = FINISH_ABORT(message, status_code=round_faults.ABORT_STATUS,
+                                             err_type=round_faults.ABORT_ERR_TYPE)
+            # the scheduler counts position P (the bonus token) as committed after this round, but its KV was never
+            # computed: the request must not be checkpointed into the radix cache for later requests to reuse
+            req.skip_radix_cache_insert = True
+        logger.error("%s (batch of %d: rids %s)", message, len(batch.reqs), [req.rid for req in batch.reqs])
+        model_eos = getattr(self.target_worker.model_runner.model_config, "hf_eos_token_id", None)
+        tokens = round_faults.placeholder_tokens(batch.reqs, model_eos)
+        next_token_ids, accept_lens, new_seq_lens = round_faults.abort_round_outputs(
+            batch.seq_lens, tokens, self.verify_width)
+        bonus = next_token_ids.view(-1, self.verify_width)[:, 0]
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=round_faults.abort_logits_output(batch),
+            next_token_ids=next_token_ids,
+            accept_lens=accept_lens,
+            can_run_cuda_graph=False,
+            next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=self.verify_width,
+            new_seq_lens=new_seq_lens,
+        )
 
     def _tree_round(self, batch, on_publish):
         from sglang.srt.managers.scheduler import GenerationBatchResult

@@ -214,3 +214,168 @@ def test_bookkeeping_round_equals_the_steps_called_one_by_one():
     assert torch.equal(plan.src_slots, p2.src_slots)
     assert torch.equal(verify.full_mask, b.verify_inputs(t2, seq, 13).full_mask)
     assert torch.equal(rows, b.gather_hidden(hidden, p2, width))
+
+
+# --- allocation failures in a round (sglang_kdtree.round_faults, KDTreeWorker._contained_round) ---------------
+
+from sglang_kdtree import round_faults  # noqa: E402
+
+
+def test_injected_round_oom_fires_on_the_first_attempt_and_twice_also_on_the_retry():
+    assert round_faults.injected_oom({}, 0) is None
+    assert round_faults.injected_oom({"draft_nan": [0]}, 0) is None
+    assert "round_oom" in round_faults.injected_oom({"round_oom": [1]}, 0)
+    assert round_faults.injected_oom({"round_oom": [1]}, 1) is None
+    assert round_faults.injected_oom({"round_oom_twice": [0]}, 0) and round_faults.injected_oom({"round_oom_twice": [0]}, 1)
+
+
+def test_failing_reserve_raises_torch_oom_then_gives_the_backend_its_reserve_back():
+    backend = pipeline.ReferenceBackend("cpu")
+    with round_faults.failing_reserve(backend, None):
+        backend.reserve(2, 4, 3, 10)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        with round_faults.failing_reserve(backend, "injected"):
+            backend.reserve(2, 4, 3, 10)
+    assert "reserve" not in vars(backend)
+    backend.reserve(2, 4, 3, 10)
+    assert issubclass(torch.cuda.OutOfMemoryError, round_faults.OOM_ERRORS)
+
+
+def test_abort_round_outputs_commit_one_placeholder_per_request():
+    seq_lens = torch.tensor([5, 9, 1], dtype=torch.int64)
+    ids, accept_lens, new_seq_lens = round_faults.abort_round_outputs(seq_lens, [2, 2, 7], width=4)
+    assert ids.shape == (12,) and ids.dtype == torch.int64
+    assert ids.view(3, 4)[:, 0].tolist() == [2, 2, 7] and not ids.view(3, 4)[:, 1:].any()
+    assert accept_lens.dtype == torch.int32 and accept_lens.tolist() == [1, 1, 1]  # 0 breaks SGLang's accounting
+    assert new_seq_lens.tolist() == [6, 10, 2]
+
+
+def test_placeholder_token_is_the_requests_eos_else_the_models():
+    reqs = [types.SimpleNamespace(eos_token_ids={9, 4}), types.SimpleNamespace(eos_token_ids=None)]
+    assert round_faults.placeholder_tokens(reqs, {3}) == [4, 3]
+    assert round_faults.placeholder_tokens(reqs[1:], None) == [0]
+
+
+def _logprob_batch(top, token_ids, return_logprob=True):
+    return types.SimpleNamespace(reqs=[object()] * len(top), return_logprob=return_logprob, top_logprobs_nums=top,
+                                 token_ids_logprobs=token_ids)
+
+
+def test_abort_logits_output_has_the_logprob_layout_the_scheduler_reads():
+    out = round_faults.abort_logits_output(_logprob_batch([0, 0], [None, None], return_logprob=False))
+    assert out.next_token_logits is None and out.next_token_logprobs is None and out.hidden_states is None
+    out = round_faults.abort_logits_output(_logprob_batch([3, 0], [[0, 5], None]))
+    assert out.next_token_logprobs.shape == (2, 1)
+    # SGLang's _normalize_decode_outputs calls .tolist() on every top-logprob entry, both values and ids
+    assert [v.tolist() for v in out.next_token_top_logprobs_val] == [[], []]
+    assert [x.tolist() for x in out.next_token_top_logprobs_idx] == [[], []]
+    assert [len(v.tolist()) for v in out.next_token_token_ids_logprobs_val] == [2, 0]
+    assert out.next_token_token_ids_logprobs_idx == [[0, 5], []]
+    plain = round_faults.abort_logits_output(_logprob_batch([0], [None]))
+    assert plain.next_token_top_logprobs_val is None and plain.next_token_token_ids_logprobs_val is None
+
+
+def test_release_round_caches_drops_the_gpu_backends_buffers_and_graphs():
+    graphs = types.SimpleNamespace(_graphs={"k": 1}, _builder="old", _logits=torch.zeros(6, 5), _roots=None, _seq=None)
+    backend = types.SimpleNamespace(device=torch.device("cpu"), _builder="builder", _tree_graphs=graphs,
+                                    _commit_graphs=types.SimpleNamespace(_graphs={}, _builder=None),
+                                    _accept_storage=torch.zeros(8, dtype=torch.int64),
+                                    _plan_storage=torch.zeros(0, dtype=torch.int64),
+                                    _hidden_storage=torch.zeros(4, dtype=torch.bfloat16))
+    released = round_faults.release_round_caches(backend)
+    assert backend._builder is None and graphs._graphs == {} and graphs._builder is None and graphs._logits is None
+    assert backend._accept_storage.numel() == 0 and backend._hidden_storage.dtype == torch.bfloat16
+    assert released == ["1 tree_graphs", "tree_graphs inputs", "round buffers", "accept_storage", "hidden_storage"]
+    assert round_faults.release_round_caches(pipeline.ReferenceBackend("cpu")) == []
+
+
+def test_release_round_caches_on_the_real_gpu_backend_class_lets_reserve_start_afresh():
+    """The attributes ``release_round_caches`` drops are the ones ``pipeline.GpuBackend`` and its round graphs
+    hold (the class builds on CPU; its kernels are not run here)."""
+    backend = pipeline.GpuBackend("cpu")
+    backend.reserve(4, 4, 3, 10, mask_bytes=100)
+    backend._storage("_plan_storage", 12)
+    backend._tree_graphs._check_builder()
+    assert backend._tree_graphs._builder is backend._builder
+    assert round_faults.release_round_caches(backend) == ["round buffers", "plan_storage"]
+    assert backend._builder is None and backend._tree_graphs._builder is None
+    assert backend._plan_storage.numel() == 0
+    backend.reserve(1, 4, 3, 10)  # the retry's reservation: sized for its batch, not the largest seen
+    assert backend._builder.max_batch == 1 and backend._builder.error_flag is backend.tree_errors
+
+
+class _FakeRoundWorker:
+    """What ``KDTreeWorker._contained_round`` / ``_ended_round_result`` read of the worker."""
+
+    _contained_round = KDTreeWorker._contained_round
+    _ended_round_result = KDTreeWorker._ended_round_result
+    _test_faults = KDTreeWorker._test_faults
+
+    def __init__(self, faults_path, fail_times=0):
+        self.backend = pipeline.ReferenceBackend("cpu")
+        self._test_faults_path = faults_path
+        self.verify_width = 4
+        self.target_worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(model_config=types.SimpleNamespace(hf_eos_token_id={2})))
+        self.fail_times, self.calls = fail_times, []
+
+    def _tree_round(self, batch, on_publish):
+        self.calls.append((batch.out_cache_loc, batch.spec_info))
+        batch.out_cache_loc, batch.spec_info = "verify slots", "verify input"  # what a round edits on the batch
+        self.backend.reserve(len(batch.reqs), 3, 2, 10)
+        if len(self.calls) <= self.fail_times:
+            raise MemoryError("host allocation failed")
+        return "round result"
+
+
+def _oom_batch(rids):
+    reqs = [types.SimpleNamespace(rid=r, to_finish=None, skip_radix_cache_insert=False, eos_token_ids=None)
+            for r in rids]
+    return types.SimpleNamespace(reqs=reqs, seq_lens=torch.tensor([3 + i for i in range(len(rids))]),
+                                 out_cache_loc=None, spec_info="draft input", return_logprob=False)
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    import sglang.srt.runtime_context as runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(tp_size=1, pp_size=1))
+
+
+@pytest.mark.parametrize("fault,fail_times", [("round_oom", 0), (None, 1)])
+def test_a_round_that_fails_once_is_retried_from_the_same_batch_state(tmp_path, single_rank, fault, fail_times):
+    path = tmp_path / "faults.json"
+    if fault:
+        path.write_text('{"oom-": "%s"}' % fault)
+    worker, batch = _FakeRoundWorker(str(path), fail_times=fail_times), _oom_batch(["ok-0", "oom-1"])
+    assert worker._contained_round(batch, None) == "round result"
+    assert len(worker.calls) == 2 and worker.calls[1] == (None, "draft input")  # the batch was put back first
+    assert all(r.to_finish is None and not r.skip_radix_cache_insert for r in batch.reqs)
+
+
+def test_a_round_that_fails_twice_ends_every_request_of_its_batch(tmp_path, single_rank):
+    path = tmp_path / "faults.json"
+    path.write_text('{"oom-": "round_oom_twice"}')
+    worker, batch = _FakeRoundWorker(str(path)), _oom_batch(["ok-0", "oom-1", "ok-2"])
+    result = worker._contained_round(batch, None)
+    assert len(worker.calls) == 2 and batch.spec_info == "draft input" and batch.out_cache_loc is None
+    for req in batch.reqs:
+        assert req.skip_radix_cache_insert
+        abort = req.to_finish
+        assert abort.status_code == 503
+        assert "KDTREE round could not allocate memory (OutOfMemoryError: " in abort.message
+        assert "the request was ended, the server continues" in abort.message
+    assert result.accept_lens.tolist() == [1, 1, 1] and result.new_seq_lens.tolist() == [4, 5, 6]
+    assert result.next_token_ids.view(3, 4)[:, 0].tolist() == [2, 2, 2] and result.speculative_num_draft_tokens == 4
+    assert result.next_draft_input.bonus_tokens.tolist() == [2, 2, 2]
+    assert result.next_draft_input.new_seq_lens.tolist() == [4, 5, 6]
+    assert result.logits_output is not None and result.logits_output.next_token_logprobs is None
+
+
+def test_a_round_oom_under_tensor_parallelism_propagates(tmp_path, monkeypatch):
+    import sglang.srt.runtime_context as runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(tp_size=2, pp_size=1))
+    worker, batch = _FakeRoundWorker(None, fail_times=1), _oom_batch(["a"])
+    with pytest.raises(MemoryError):
+        worker._contained_round(batch, None)

@@ -287,6 +287,114 @@ def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_res
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain[:4]]
 
 
+#: The message of a request ended by an allocation failure of its round (``sglang_kdtree/round_faults.py``).
+OOM_MESSAGE = "KDTREE round could not allocate memory (OutOfMemoryError: KDTREE test fault round_oom"
+#: What SGLang's memory checks say when they find a leak (as in ``test_server_load.py``).
+LEAK_MARKERS = ("memory leak detected", "Mem Leak Detected", "KV double free", "KV page use-after-free")
+
+
+def _log_count(server, text: str) -> int:
+    return server.log_path.read_text(errors="replace").count(text)
+
+
+def _with_faults(server, faults: dict, payloads: list[dict]) -> list[dict]:
+    server.faults.write_text(json.dumps(faults))
+    try:
+        with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+            return list(pool.map(lambda p: _generate_or_error(server, p), payloads))
+    finally:
+        server.faults.unlink()
+
+
+def test_round_oom_retried_once_changes_no_output(kdtree_server, greedy_results):
+    """``round_oom``: every round of a batch holding the named request raises ``torch.OutOfMemoryError`` at its
+    buffer reservation on the first attempt; the retry succeeds, so that request and its batch mates (one with
+    logprobs) finish normally with the plain server's greedy output."""
+    plain, _ = greedy_results
+    retries = _log_count(kdtree_server, "KDTREE round: retrying once")
+    payloads = [dict(_greedy(p), rid=f"kdtree-oom-once-mate-{i}") for i, p in enumerate(PROMPTS[:3])]
+    payloads[2].update(_logprob_params())
+    payloads.insert(1, dict(_greedy(PROMPTS[7]), rid="kdtree-oom-once-0"))
+    results = _with_faults(kdtree_server, {"kdtree-oom-once-0": "round_oom"}, payloads)
+    assert all("output_ids" in r for r in results), results
+    assert [r["output_ids"] for r in results] == [plain[i]["output_ids"] for i in (0, 7, 1, 2)]
+    assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)
+    assert len(results[3]["meta_info"]["output_token_logprobs"]) == NEW_TOKENS
+    # the fault fired and was retried (every round of the named request's batches)
+    retried = _log_count(kdtree_server, "KDTREE round: retrying once") - retries
+    assert retried >= results[1]["meta_info"]["spec_verify_ct"]
+
+
+def _wait_idle_load(server, timeout: float = 120) -> dict:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while True:
+        with urllib.request.urlopen(server.url + "/v1/loads", timeout=30) as r:
+            load = json.loads(r.read())["loads"][0]
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            return load
+        assert time.time() < deadline, f"server still busy after {timeout:.0f}s: {load}"
+        time.sleep(0.5)
+
+
+#: Prompts no other test sends: the radix cache holds none of their continuations when a round of theirs fails.
+OOM_PROMPTS = [[random.Random(1313 + n).randrange(tiny.NUM_WORDS) for _ in range(n)] for n in (6, 11, 17, 25)]
+
+
+def test_round_oom_twice_ends_its_batch_and_the_server_continues(plain_server, kdtree_server):
+    """``round_oom_twice``: the retry fails too, so every request of the failing batch ends with an abort (HTTP
+    503) carrying the message; requests not in that batch are served exactly. Afterwards: no leak reported, no
+    KV slot held, ``/health`` 200, a greedy batch equals the plain server's, and new requests with the aborted
+    prompts, and with an aborted prompt followed by its first greedy tokens, return the plain server's output.
+    The last ones reach past the position the failed round never computed: had the aborted request been
+    checkpointed into the radix cache (no ``skip_radix_cache_insert``), they would reuse that slot's stale KV
+    (the prompts are fresh, so no earlier request cached those positions)."""
+    import urllib.request
+
+    prompts = OOM_PROMPTS
+    plain = _concurrent(plain_server, [_greedy(p) for p in prompts])
+    ended = _log_count(kdtree_server, "KDTREE round could not allocate memory")
+    payloads = [dict(_greedy(prompts[0]), rid="kdtree-oom-twice-0")]
+    payloads += [dict(_greedy(p), rid=f"kdtree-oom-twice-mate-{i}") for i, p in enumerate(prompts[1:], 1)]
+    payloads[-1].update(_logprob_params())  # a logprob request in the failing batch
+    results = _with_faults(kdtree_server, {"kdtree-oom-twice-0": "round_oom_twice"}, payloads)
+
+    aborted = []
+    for i, r in enumerate(results):
+        if "http_status" in r:
+            assert r["http_status"] == 503 and OOM_MESSAGE in r["error"], r
+            assert "the request was ended, the server continues" in r["error"], r
+            aborted.append(i)
+        else:  # not in the failing batch: served exactly
+            assert r["output_ids"] == plain[i]["output_ids"], (i, r["meta_info"])
+    assert aborted and aborted[0] == 0, results  # the named request is always in its own failing batch
+    assert _log_count(kdtree_server, "KDTREE round could not allocate memory") > ended
+
+    load = _wait_idle_load(kdtree_server)
+    assert load["num_used_tokens"] == 0, load
+    with urllib.request.urlopen(kdtree_server.url + "/health", timeout=30) as r:
+        assert r.status == 200
+    # each aborted prompt followed by its first two greedy tokens t0 t1 (SGLang matches at most all but the last
+    # input token, so the match can reach t0's position, the one the failed round never computed, and the tiny
+    # targets' second-order language needs t0 to predict what follows t1), then the aborted prompts themselves
+    repeat = [prompts[i] + plain[i]["output_ids"][:2] for i in aborted] + [prompts[i] for i in aborted]
+    want = _concurrent(plain_server, [_greedy(p) for p in repeat])
+    got = [kdtree_server.generate(_greedy(p)) for p in repeat]
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    again = _concurrent(kdtree_server, [_greedy(p) for p in PROMPTS[:4]])
+    reference = _concurrent(plain_server, [_greedy(p) for p in PROMPTS[:4]])
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in reference]
+
+    _wait_idle_load(kdtree_server)
+    time.sleep(2)  # the scheduler runs its idle memory check on every idle loop
+    assert kdtree_server.proc.poll() is None, kdtree_server.log_tail()
+    leaks = [line for line in kdtree_server.log_path.read_text(errors="replace").splitlines()
+             if any(m in line for m in LEAK_MARKERS)]
+    assert not leaks, "\n".join(leaks[:10])
+    print(f"round_oom_twice: requests {aborted} of {len(prompts)} aborted")
+
+
 @pytest.mark.parametrize("params", [{"temperature": 1.0, "top_p": 1e-6}, {"temperature": 1.0, "top_k": 1},
                                     {"temperature": 1.0, "min_p": 1.0}])
 def test_top_p_and_top_k_filter_the_tree_accept(kdtree_server, greedy_results, params):
