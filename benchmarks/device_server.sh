@@ -21,7 +21,7 @@
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"), ALL_GPUS=1 (the tests / probe see every GPU: TP 2), BENCH_AFTER=1 (the
 #   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
-#   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0), BENCH_KINDS (bench_server.py
+#   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe, then PARTS, run on GPU 0), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
 #   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call), KIMI_ROUND=1
 #   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
@@ -114,14 +114,14 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
 }
 run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the round's graphs)
   # (the stand-in on the path: the Marlin tests import SGLang's quantization package, which imports sgl_kernel)
-  CUDA_VISIBLE_DEVICES=$1 step unit 150 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+  CUDA_VISIBLE_DEVICES=$1 step unit 260 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
     python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" tests/gpu
 }
 if [ -n "${PARALLEL:-}" ] && [ "$NGPU" -ge 2 ]; then
   # PARALLEL=1: the unit tests and then the bench on GPU 1 while the tests / probe use GPU 0
-  ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${PARTS:-}" ] && run_parts 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
+  ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
   BENCH_PID=$!
-  UNIT=; BENCH_AFTER=; BENCH=; PARTS=
+  UNIT=; BENCH_AFTER=; BENCH=; PARTS_AFTER=${PARTS:-}; PARTS=
 fi
 if [ -n "${UNIT:-}" ]; then
   run_unit "${CUDA_VISIBLE_DEVICES:-0}"  # first, alone
@@ -145,6 +145,8 @@ else
     ${TESTS:-tests/gpu/test_server_cuda.py}
 fi
 
+# with PARALLEL, PARTS runs on GPU 0 after the tests / probe (GPU 1 has the unit tests and the bench)
+[ -n "${PARTS_AFTER:-}" ] && run_parts 0
 # KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after the tests / probe
 if [ -n "${KIMI_ROUND:-}" ]; then
   KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
