@@ -21,7 +21,8 @@
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"), ALL_GPUS=1 (the tests / probe see every GPU: TP 2), BENCH_AFTER=1 (the
 #   bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
-#   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe, then PARTS, run on GPU 0), BENCH_KINDS (bench_server.py
+#   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0; with one: UNIT beside the tests /
+#   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
 #   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call), KIMI_ROUND=1
 #   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
@@ -122,6 +123,12 @@ if [ -n "${PARALLEL:-}" ] && [ "$NGPU" -ge 2 ]; then
   ( [ -n "${UNIT:-}" ] && run_unit 1; [ -n "${BENCH:-}" ] && run_bench 1 ) &
   BENCH_PID=$!
   UNIT=; BENCH_AFTER=; BENCH=; PARTS_AFTER=${PARTS:-}; PARTS=
+elif [ -n "${PARALLEL:-}" ]; then
+  # one GPU: the unit tests (correctness only) beside the tests / probe, whose servers take 0.3 of its memory;
+  # the bench, then PARTS, after them, alone on the GPU (give the bench BENCH_AFTER_S of the deadline)
+  ( [ -n "${UNIT:-}" ] && run_unit 0 ) &
+  UNIT_PID=$!
+  UNIT=; BENCH_AFTER=${BENCH:+1}; PARTS_AFTER=${PARTS:-}; PARTS=
 fi
 if [ -n "${UNIT:-}" ]; then
   run_unit "${CUDA_VISIBLE_DEVICES:-0}"  # first, alone
@@ -145,18 +152,19 @@ else
     ${TESTS:-tests/gpu/test_server_cuda.py}
 fi
 
-# with PARALLEL, PARTS runs on GPU 0 after the tests / probe (GPU 1 has the unit tests and the bench)
+[ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
+[ -n "${UNIT_PID:-}" ] && wait "$UNIT_PID"
+unset CUDA_VISIBLE_DEVICES
+# BENCH_AFTER=1: the bench after the tests, alone on GPU 0 (when the tests need every GPU)
+[ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
+# with PARALLEL, PARTS runs on GPU 0 after the tests / probe and the bench
 [ -n "${PARTS_AFTER:-}" ] && run_parts 0
-# KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after the tests / probe
+# KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after everything else
 if [ -n "${KIMI_ROUND:-}" ]; then
   KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
   [ "$KR_S" -gt 40 ] && CUDA_VISIBLE_DEVICES=0 step kimi_round $(( KR_S + 20 )) python3 benchmarks/kimi_round.py \
     --deadline $(( KR_S - 15 )) --json "$LOGS/kimi_round.json"
 fi
-[ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
-unset CUDA_VISIBLE_DEVICES
-# BENCH_AFTER=1: the bench after the tests, alone on GPU 0 (when the tests need every GPU)
-[ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
 
 # bring SGLang's JIT modules back (carry them as .jitcache-server next time) when they are small enough
 tar -czf /tmp/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR" . 2>/dev/null
