@@ -105,7 +105,9 @@ run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped ta
     ${BENCH_KINDS:+--kinds $BENCH_KINDS}
 }
 run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_parts.py), and AB_COMMIT's beside it
-  CUDA_VISIBLE_DEVICES=$1 step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json"
+  # (the stand-in on the path: round_parts builds an SGLang MLA pool, whose package imports sgl_kernel)
+  CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+    step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json"
   if [ -n "${AB_COMMIT:-}" ]; then
     rm -rf /tmp/ab_old && git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
     ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
