@@ -602,17 +602,8 @@ def cuda_graph_us(fns, trials: int = 5) -> tuple[float, str]:
             for _ in range(repeat):
                 for f in fns:
                     f()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (repeat * len(fns)))
-    return statistics.median(times), mode
+    # one warm-up pass, then the median of `trials` CUDA-event-timed passes (bench_marlin_moe's timer)
+    return _import_bench("bench_marlin_moe").cuda_time_us(run, calls=repeat * len(fns), trials=trials), mode
 
 
 class _Bench:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -34,17 +33,10 @@ def _graph_time(fn, iters: int = 30) -> float:
 
 
 def _time(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    """Median device microseconds of ``fn()`` (3 warm-up calls, CUDA events: the bench CLI's timer)."""
+    from sglang_kdtree.bench_gpu import _time_gpu
+
+    return _time_gpu(fn, iters=iters, warmup=3)
 
 
 def _replay_time(graphs) -> float:
