@@ -547,7 +547,8 @@ class KDTreeWorker(DFlashWorkerV2):
         roots = draft_input.bonus_tokens.to(torch.int64)
         seq_lens_sum = int(prefix_cpu.sum())
         if faults is None and get_parallel().tp_size == 1:
-            # 2-4 in one call: head GEMM -> top-K -> tree -> verify inputs (on the GPU one CUDA graph replay)
+            # 2-4 in one call: head GEMM (the draft's last step), then top-K -> tree -> verify inputs (on the GPU
+            # one CUDA graph replay after the eager GEMM)
             lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
             trees, verify, draft_logits = self.backend.tree_step(
