@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from sglang_kdtree import reference as ref
-from sglang_kdtree.bench_gpu import copy_bandwidth
+from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
 
 VOCAB = 151936
 DEPTH = 15
@@ -44,41 +44,43 @@ def make_case(bs, width, seed=0):
 
 
 def time_calls(fn, iters=50, graph=False):
-    """Microseconds per call: CUDA events around `iters` calls (eager), or a captured graph of them."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+    """Microseconds per call: CUDA events around `iters` back-to-back calls (eager), or a captured graph of them
+    (one warm-up pass, median of 5 timed passes)."""
     if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g, stream=s):
-                for _ in range(iters):
-                    fn()
-        torch.cuda.current_stream().wait_stream(s)
-        run = g.replay
+        run = capture_graph(fn, repeat=iters)[0].replay
     else:
 
         def run():
             for _ in range(iters):
                 fn()
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    return float(np.median(times))
+    return cuda_time_us(run, calls=iters, trials=5, warmup=1)
+
+
+def measured_bandwidth():
+    """The device-to-device copy bandwidth in bytes/s, printed with the device's name."""
+    import torch
+
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth {bw / 1e12:.2f} TB/s")
+    return bw
+
+
+def write_rows(path, bw, rows):
+    """The rows and the bandwidth they were measured against, as JSON (nothing without ``--json``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"bandwidth_Bps": bw, "rows": rows}, f, indent=1)
+
+
+def cuda_torch_or_skip():
+    """torch, for a pytest-benchmark case; skips the case without torch or a CUDA GPU."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
 
 
 def maybe_graph(fn):
@@ -142,7 +144,7 @@ def run_case(bs, width, verify_tree_greedy, bw):
     row["logits_ours_us"] = time_calls(ours_logits, iters=10)
     row["logits_sglang_graph_us"] = maybe_graph(sglang_logits)
     row["logits_ours_graph_us"] = maybe_graph(ours_logits)
-    row["logits_floor_us"] = float(expect.accept_lens.sum()) * VOCAB * 2 / bw * 1e6
+    row["logits_floor_us"] = floor_us(float(expect.accept_lens.sum()) * VOCAB * 2, bw)
     del logits
     torch.cuda.empty_cache()
     return row
@@ -158,12 +160,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--widths", default="17,65,257")
     args = ap.parse_args(argv)
-    import torch
-
     from sglang.kernels.ops.speculative.tree import verify_tree_greedy
 
-    bw = copy_bandwidth()
-    print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth {bw / 1e12:.2f} TB/s")
+    bw = measured_bandwidth()
     rows = []
     for bs in [int(x) for x in args.batches.split(",")]:
         for width in [int(x) for x in args.widths.split(",")]:
@@ -178,18 +177,12 @@ def main(argv=None):
               f"{r['ids_sglang_us'] / r['ids_ours_us']:.2f}x | {g} | {r['logits_sglang_us']:.1f} | "
               f"{r['logits_ours_us']:.1f} | {r['logits_sglang_us'] / r['logits_ours_us']:.2f}x | "
               f"{fmt(r['logits_sglang_graph_us'])} / {fmt(r['logits_ours_graph_us'])} | {r['logits_floor_us']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth_Bps": bw, "rows": rows}, f, indent=1)
+    write_rows(args.json, bw, rows)
 
 
 def test_bench_accept_ids(benchmark):
     """pytest-benchmark case (GPU only): ours on ids at bs=128, N=257."""
-    import pytest
-
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    torch = cuda_torch_or_skip()
     from sglang_kdtree.gpu.accept import accept_greedy
 
     trees, tgt = make_case(128, 257)

@@ -21,9 +21,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_accept import fmt, maybe_graph, time_calls  # noqa: E402
+from bench_accept import cuda_torch_or_skip, fmt, maybe_graph, measured_bandwidth, time_calls, write_rows  # noqa: E402
 
-from sglang_kdtree.bench_gpu import copy_bandwidth  # noqa: E402
+from sglang_kdtree.bench_timing import floor_us  # noqa: E402
 
 LAYERS = 61
 ROW = 576
@@ -79,7 +79,7 @@ def run_case(pool, table, bs, tau, bw):
     row["sglang_graph_us"] = maybe_graph(sglang)
     row["ours_us"] = time_calls(ours, iters=20)
     row["ours_graph_us"] = maybe_graph(ours)
-    row["floor_us"] = nbytes / bw * 1e6
+    row["floor_us"] = floor_us(nbytes, bw)
     best = row["ours_graph_us"] or row["ours_us"]
     row["ours_pct_of_bw"] = 100 * row["floor_us"] / best
     return row
@@ -95,8 +95,7 @@ def main(argv=None):
 
     from sglang_kdtree.gpu.compact import kv_layer_table
 
-    bw = copy_bandwidth()
-    print(f"device: {torch.cuda.get_device_name()}  measured copy bandwidth {bw / 1e12:.2f} TB/s")
+    bw = measured_bandwidth()
     pool = [torch.empty((SLOTS, 1, ROW), dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
     table = kv_layer_table(pool)
     rows = []
@@ -113,18 +112,12 @@ def main(argv=None):
         print(f"| {r['bs']} | {r['tau']} | {r['moved_rows']} | {r['MB_moved']:.2f} | {r['sglang_us']:.1f} "
               f"({fmt(r['sglang_graph_us'])}) | {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | {sg / og:.1f}x | "
               f"{r['floor_us']:.1f} | {r['ours_pct_of_bw']:.0f}% |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth_Bps": bw, "rows": rows}, f, indent=1)
+    write_rows(args.json, bw, rows)
 
 
 def test_bench_compact(benchmark):
     """pytest-benchmark case (GPU only): ours, 61 layers, bs=128, tau=16."""
-    import pytest
-
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    torch = cuda_torch_or_skip()
     from sglang_kdtree.gpu.compact import GPUCommitPlan, compact_kv, kv_layer_table
 
     pool = [torch.zeros((SLOTS, 1, ROW), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
+
 SHAPES = {"tp8": (384, 7168, 256), "tp1": (384, 7168, 2048)}
 TOKENS = (1, 8, 32, 65, 130, 260, 520)
 TOP_K = 8
@@ -33,23 +35,6 @@ ROTATE = 8
 REPEAT = 4
 BREAKDOWN_TOKENS = (1, 8, 65)  # token counts whose time is also split by stage
 DEVICE = "cuda"  # a CPU smoke test of this script's plumbing swaps it (and torch.cuda's timing objects)
-
-
-def cuda_time_us(run, calls: int, trials: int = 5) -> float:
-    """Median microseconds per call of ``run()`` (which makes ``calls`` calls), CUDA events."""
-    import torch
-
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def graph_of(fns):
@@ -366,7 +351,6 @@ def main(argv=None) -> int:
     import torch
 
     from sglang_kdtree import marlin_moe as mm
-    from sglang_kdtree.bench_gpu import copy_bandwidth
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
 from sglang_kdtree.gpu.mla_attention import mla_tree_verify, synthetic_inputs
 
 GRID_BATCH = (1, 8, 32)
@@ -32,27 +33,14 @@ TARGET_SHAPE = (32, 16384, 65, 16)  # the shape with the >= 50 % roofline target
 
 
 def _timed(fn, min_reps=3, budget_s=0.25):
-    """Median milliseconds of fn() with CUDA events after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    start_wall = time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start_wall < budget_s and len(times) < 20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of fn() with CUDA events after one warm-up call: ``min_reps`` timed calls, more
+    while they take under ``budget_s`` seconds, 20 at most."""
+    return cuda_time_us(fn, trials=min_reps, warmup=1, budget_s=budget_s, max_trials=20) / 1e3
 
 
 def measure_ceilings():
-    """(HBM bytes/s from a 1 GiB device copy (``bench_gpu.copy_bandwidth``), bf16 FLOP/s from an 8192^3
+    """(HBM bytes/s from a 1 GiB device copy (``bench_timing.copy_bandwidth``), bf16 FLOP/s from an 8192^3
     matmul), medians."""
-    from sglang_kdtree.bench_gpu import copy_bandwidth
-
     bandwidth = copy_bandwidth()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

@@ -82,6 +82,8 @@ import sys
 import time
 from pathlib import Path
 
+from sglang_kdtree.bench_timing import cuda_time_us
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -602,8 +604,8 @@ def cuda_graph_us(fns, trials: int = 5) -> tuple[float, str]:
             for _ in range(repeat):
                 for f in fns:
                     f()
-    # one warm-up pass, then the median of `trials` CUDA-event-timed passes (bench_marlin_moe's timer)
-    return _import_bench("bench_marlin_moe").cuda_time_us(run, calls=repeat * len(fns), trials=trials), mode
+    # one warm-up pass, then the median of `trials` CUDA-event-timed passes (the benchmarks' one timer)
+    return cuda_time_us(run, calls=repeat * len(fns), trials=trials), mode
 
 
 class _Bench:

@@ -1,4 +1,4 @@
-"""Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes (issue 12's target).
+"""Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes.
 
     python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json]
 
@@ -21,22 +21,19 @@ import sys
 
 import torch
 
+from sglang_kdtree.bench_timing import capture_graph, cuda_time_us
+
 
 def _graph_time(fn, iters: int = 30) -> float:
-    """Median device microseconds of one replay of ``fn`` captured in a CUDA graph."""
-    fn()  # compile / size outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Median device microseconds of one replay of ``fn`` captured in a CUDA graph (after a warm-up call that
+    compiles and sizes outside the capture)."""
+    graph, _ = capture_graph(fn)
     return _time(graph.replay, iters)
 
 
 def _time(fn, iters: int = 30) -> float:
     """Median device microseconds of ``fn()`` (3 warm-up calls, CUDA events: the bench CLI's timer)."""
-    from sglang_kdtree.bench_gpu import _time_gpu
-
-    return _time_gpu(fn, iters=iters, warmup=3)
+    return cuda_time_us(fn, trials=iters, warmup=3)
 
 
 def _replay_time(graphs) -> float:

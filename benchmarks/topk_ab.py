@@ -12,38 +12,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
+
+from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
 
 
 def graph_us(fn, reps=20, rounds=3):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(rounds):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(out)
+    """Median device microseconds of one replay of ``fn`` captured in a CUDA graph: ``rounds`` timed passes of
+    ``reps`` back-to-back replays each, after one warm-up pass."""
+    graph, _ = capture_graph(fn)
+    return cuda_time_us(lambda: [graph.replay() for _ in range(reps)], calls=reps, trials=rounds)
 
 
 def main(argv=None) -> int:
     import torch
 
-    from sglang_kdtree.bench_gpu import _time_gpu, copy_bandwidth, peaked_logits
+    from sglang_kdtree.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import topk as new
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,7 +52,7 @@ def main(argv=None) -> int:
              + ([("old", old, (), None)] if old else []))
     for bs in a.batches:
         logits = peaked_logits(bs, depth, vocab, seed=bs)
-        floor = logits.numel() * 2 / bw * 1e6
+        floor = floor_us(logits.numel() * 2, bw)
         for budget in a.budgets:
             row = {"batch": bs, "budget": budget, "floor_us": floor}
             ref_ids = None
@@ -92,7 +75,7 @@ def main(argv=None) -> int:
                     ref_ids = ids
                 row[f"{name}_same_ids"] = bool(torch.equal(ids, ref_ids))
                 row[f"{name}_graph_us"] = graph_us(call)
-                row[f"{name}_eager_us"] = _time_gpu(call)
+                row[f"{name}_eager_us"] = cuda_time_us(call, trials=20, warmup=3)
                 row[f"{name}_flag"] = int(flag.item())
                 del ws
             new._OPTIONS = ()

@@ -10,12 +10,16 @@ replayed CUDA graph.
 
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 
 import numpy as np
 
-__all__ = ["run_gpu_bench", "peaked_logits", "copy_bandwidth", "format_table"]
+from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cpu_time_us, cuda_time_us, floor_us
+
+__all__ = ["run_gpu_bench", "peaked_logits", "format_table"]
+
+#: the table's GPU timer: median of 20 CUDA-event-timed calls after 3 warm-up calls
+_gpu_us = functools.partial(cuda_time_us, trials=20, warmup=3)
 
 
 def peaked_logits(bs, depth, vocab, seed=0):
@@ -34,41 +38,6 @@ def peaked_logits(bs, depth, vocab, seed=0):
     out = torch.empty_like(x)
     out.scatter_(1, perm, x)
     return (out + 8.0).to(torch.bfloat16).view(bs, depth, vocab)
-
-
-def _time_gpu(fn, iters=20, warmup=3):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def _time_cpu(fn, iters=3):
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
-def copy_bandwidth():
-    """Device-to-device copy bandwidth in bytes/s (read + write of 1 GiB)."""
-    import torch
-
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = _time_gpu(lambda: b.copy_(a), iters=10)
-    return 2 * a.numel() / (us * 1e-6)
 
 
 def _eagle_abi(trees_np, budget):
@@ -115,22 +84,10 @@ def run_gpu_bench(batches=(1, 8, 32, 64), budgets=(16, 64, 256, 512), depth=15, 
     """
     import torch
 
-    from sglang_kdtree import reference as ref
     from sglang_kdtree.gpu.tree import TreeBuilder
 
     bw = copy_bandwidth()
-    try:
-        from sglang.kernels.ops.speculative.tree import build_tree_kernel_efficient as sgl_build
-    except Exception as exc:  # the JIT wheels are absent
-        sgl_build, sgl_error = None, f"{type(exc).__name__}: {exc}"
-    else:
-        sgl_error = None
-    try:
-        import sglang.kernels.ops.speculative.uno_tree  # noqa: F401
-
-        uno_error = None
-    except Exception as exc:
-        uno_error = f"{type(exc).__name__}: {exc}"
+    sgl_build, sgl_error, uno_error = _sglang_tree_kernels()
     rows_out = []
     for bs in batches:
         logits = peaked_logits(bs, depth, vocab, seed=bs)
@@ -143,95 +100,23 @@ def run_gpu_bench(batches=(1, 8, 32, 64), budgets=(16, 64, 256, 512), depth=15, 
             width = budget + 1
             builder = TreeBuilder(bs, budget, depth, vocab, "cuda", max_mask_bytes=seq_sum * width + width * width * bs)
             row = {"batch": bs, "budget": budget, "depth": depth, "vocab": vocab}
-            # --- CPU path
-            state = {}
-
-            def torch_topk():
-                x = logits.float()
-                lse = torch.logsumexp(x, dim=-1, keepdim=True)
-                v, i = torch.topk(x, budget, dim=-1)
-                state["lp"], state["ids"] = v - lse, i
-
-            row["cpu_topk_us"] = _time_gpu(torch_topk, iters=10)
-            torch.cuda.synchronize()
-
-            def d2h():
-                state["lp_np"] = state["lp"].cpu().numpy()
-                state["ids_np"] = state["ids"].cpu().numpy()
-
-            row["cpu_d2h_us"] = _time_cpu(d2h)
-            roots_np = roots.cpu().numpy()
-            reps = 1 if bs * budget >= 8192 else 3
-
-            def heap():
-                state["trees"] = ref.build_trees(state["lp_np"], state["ids_np"], budget, roots_np)
-
-            row["cpu_heapq_us"] = _time_cpu(heap, reps)
-
-            def mask():
-                state["ver"] = ref.verify_inputs(state["trees"], seq_np)
-
-            row["cpu_mask_us"] = _time_cpu(mask, reps)
-
-            def h2d():
-                v = state["ver"]
-                for a in (v.input_ids, v.positions, v.full_mask, v.retrieve_index, v.retrieve_next_token,
-                          v.retrieve_next_sibling):
-                    torch.from_numpy(a).cuda(non_blocking=False)
-                torch.cuda.synchronize()
-
-            row["cpu_h2d_us"] = _time_cpu(h2d)
-            row["cpu_total_us"] = sum(row[k] for k in ("cpu_topk_us", "cpu_d2h_us", "cpu_heapq_us", "cpu_mask_us",
-                                                        "cpu_h2d_us"))
-            # --- GPU path
-            lp, ids = builder.topk(logits, budget)
-            row["gpu_topk_us"] = _time_gpu(lambda: builder.topk(logits, budget))
-            trees = builder.build(lp, ids, budget, roots)
-            row["gpu_tree_us"] = _time_gpu(lambda: builder.build(lp, ids, budget, roots))
-            row["gpu_verify_us"] = _time_gpu(lambda: builder.verify_inputs(trees, seq, seq_sum))
-            row["gpu_e2e_eager_us"] = _time_gpu(lambda: builder.round(logits, budget, roots, seq, seq_sum))
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                builder.round(logits, budget, roots, seq, seq_sum)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                g_trees, g_ver = builder.round(logits, budget, roots, seq, seq_sum)
-            row["gpu_e2e_graph_us"] = _time_gpu(graph.replay)
-            torch.cuda.synchronize()
-            builder.check()
-            row["same_tree_as_cpu"] = bool(np.array_equal(g_trees.tokens.cpu().numpy(), state["trees"].tokens))
+            cpu_trees = _time_cpu_path(row, logits, budget, roots, seq_np)
+            graph, trees, g_trees, g_ver = _time_gpu_path(row, builder, logits, budget, roots, seq, seq_sum)
+            row["same_tree_as_cpu"] = bool(np.array_equal(g_trees.tokens.cpu().numpy(), cpu_trees.tokens))
             row["speedup_e2e"] = row["cpu_total_us"] / row["gpu_e2e_graph_us"]
-            row["topk_floor_us"] = logits.numel() * 2 / bw * 1e6
+            row["topk_floor_us"] = floor_us(logits.numel() * 2, bw)
             row["topk_bw_frac"] = row["topk_floor_us"] / row["gpu_topk_us"]
             row["copy_bw_TBps"] = bw / 1e12
-            # --- SGLang's mask/positions/links kernel on the same tree (EAGLE ABI)
             if sgl_build is not None:
-                parent_list, selected, topk_e, depth_e = _eagle_abi(state["trees"], budget)
-                pl = torch.from_numpy(parent_list).cuda()
-                sel = torch.from_numpy(selected).cuda()
-                mask_buf = torch.ones(seq_sum * width + width * width * bs, dtype=torch.bool, device="cuda")
-                pos = torch.empty(bs * width, dtype=torch.int64, device="cuda")
-                rbuf = torch.full((3, bs, width), -1, dtype=torch.int64, device="cuda")
-
-                def sgl():
-                    rbuf.fill_(-1)
-                    mask_buf.fill_(True)
-                    sgl_build(pl, sel, seq, mask_buf, pos, rbuf[0], rbuf[1], rbuf[2], topk_e, depth_e, width, 0)
-
-                row["sglang_mask_us"] = _time_gpu(sgl)
-                row["sglang_mask_same"] = bool(
-                    torch.equal(mask_buf, g_ver.full_mask) and torch.equal(pos, g_ver.positions)
-                )
-                row["gpu_verify_fill_us"] = _time_gpu(lambda: builder.verify_inputs(trees, seq, seq_sum))
+                _time_sglang_mask(row, sgl_build, cpu_trees, g_ver, seq, seq_sum, width)
+                row["gpu_verify_fill_us"] = _gpu_us(lambda: builder.verify_inputs(trees, seq, seq_sum))
             else:
                 row["sglang_mask_us"] = None
                 row["sglang_error"] = sgl_error
             row["uno_error"] = uno_error
             # the fp32 verify logits it needs are bs * (B+1) * V * 4 bytes: skip the largest grid points
             row["worker_eager_us"] = (
-                _time_gpu(worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots))
+                _gpu_us(worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots))
                 if bs * (budget + 1) * vocab * 4 <= 8 << 30 else float("nan"))
             rows_out.append(row)
             if progress:
@@ -239,6 +124,111 @@ def run_gpu_bench(batches=(1, 8, 32, 64), budgets=(16, 64, 256, 512), depth=15, 
             del builder, graph
             torch.cuda.empty_cache()
     return rows_out
+
+
+def _sglang_tree_kernels():
+    """(SGLang's build_tree_kernel_efficient or None, why not, why its UNO tree builder does not import)."""
+    try:
+        from sglang.kernels.ops.speculative.tree import build_tree_kernel_efficient as sgl_build
+    except Exception as exc:  # the JIT wheels are absent
+        sgl_build, sgl_error = None, f"{type(exc).__name__}: {exc}"
+    else:
+        sgl_error = None
+    try:
+        import sglang.kernels.ops.speculative.uno_tree  # noqa: F401
+
+        uno_error = None
+    except Exception as exc:
+        uno_error = f"{type(exc).__name__}: {exc}"
+    return sgl_build, sgl_error, uno_error
+
+
+def _time_cpu_path(row, logits, budget, roots, seq_np):
+    """The heapq service's stages into ``row`` (``cpu_*_us``); returns its trees (numpy)."""
+    import torch
+
+    from sglang_kdtree import reference as ref
+
+    bs = logits.shape[0]
+    state = {}
+
+    def torch_topk():
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        v, i = torch.topk(x, budget, dim=-1)
+        state["lp"], state["ids"] = v - lse, i
+
+    row["cpu_topk_us"] = cuda_time_us(torch_topk, trials=10, warmup=3)
+    torch.cuda.synchronize()
+
+    def d2h():
+        state["lp_np"] = state["lp"].cpu().numpy()
+        state["ids_np"] = state["ids"].cpu().numpy()
+
+    row["cpu_d2h_us"] = cpu_time_us(d2h)
+    roots_np = roots.cpu().numpy()
+    reps = 1 if bs * budget >= 8192 else 3
+
+    def heap():
+        state["trees"] = ref.build_trees(state["lp_np"], state["ids_np"], budget, roots_np)
+
+    row["cpu_heapq_us"] = cpu_time_us(heap, reps)
+
+    def mask():
+        state["ver"] = ref.verify_inputs(state["trees"], seq_np)
+
+    row["cpu_mask_us"] = cpu_time_us(mask, reps)
+
+    def h2d():
+        v = state["ver"]
+        for a in (v.input_ids, v.positions, v.full_mask, v.retrieve_index, v.retrieve_next_token,
+                  v.retrieve_next_sibling):
+            torch.from_numpy(a).cuda(non_blocking=False)
+        torch.cuda.synchronize()
+
+    row["cpu_h2d_us"] = cpu_time_us(h2d)
+    row["cpu_total_us"] = sum(row[k] for k in ("cpu_topk_us", "cpu_d2h_us", "cpu_heapq_us", "cpu_mask_us",
+                                                "cpu_h2d_us"))
+    return state["trees"]
+
+
+def _time_gpu_path(row, builder, logits, budget, roots, seq, seq_sum):
+    """``TreeBuilder``'s stages, eager and as one replayed graph, into ``row`` (``gpu_*_us``); returns
+    (the graph, the eager trees, the graph's trees and verify inputs)."""
+    import torch
+
+    lp, ids = builder.topk(logits, budget)
+    row["gpu_topk_us"] = _gpu_us(lambda: builder.topk(logits, budget))
+    trees = builder.build(lp, ids, budget, roots)
+    row["gpu_tree_us"] = _gpu_us(lambda: builder.build(lp, ids, budget, roots))
+    row["gpu_verify_us"] = _gpu_us(lambda: builder.verify_inputs(trees, seq, seq_sum))
+    row["gpu_e2e_eager_us"] = _gpu_us(lambda: builder.round(logits, budget, roots, seq, seq_sum))
+    graph, (g_trees, g_ver) = capture_graph(lambda: builder.round(logits, budget, roots, seq, seq_sum))
+    row["gpu_e2e_graph_us"] = _gpu_us(graph.replay)
+    torch.cuda.synchronize()
+    builder.check()
+    return graph, trees, g_trees, g_ver
+
+
+def _time_sglang_mask(row, sgl_build, cpu_trees, g_ver, seq, seq_sum, width):
+    """SGLang's mask/positions/links kernel on the same tree (EAGLE ABI) into ``row`` (``sglang_mask_*``)."""
+    import torch
+
+    bs = seq.shape[0]
+    parent_list, selected, topk_e, depth_e = _eagle_abi(cpu_trees, width - 1)
+    pl = torch.from_numpy(parent_list).cuda()
+    sel = torch.from_numpy(selected).cuda()
+    mask_buf = torch.ones(seq_sum * width + width * width * bs, dtype=torch.bool, device="cuda")
+    pos = torch.empty(bs * width, dtype=torch.int64, device="cuda")
+    rbuf = torch.full((3, bs, width), -1, dtype=torch.int64, device="cuda")
+
+    def sgl():
+        rbuf.fill_(-1)
+        mask_buf.fill_(True)
+        sgl_build(pl, sel, seq, mask_buf, pos, rbuf[0], rbuf[1], rbuf[2], topk_e, depth_e, width, 0)
+
+    row["sglang_mask_us"] = _gpu_us(sgl)
+    row["sglang_mask_same"] = bool(torch.equal(mask_buf, g_ver.full_mask) and torch.equal(pos, g_ver.positions))
 
 
 def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidden_size=7168):
