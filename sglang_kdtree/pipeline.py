@@ -93,24 +93,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").numpy()
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """The uniform in [0, 1) that draws the token at absolute ``position`` of a request seeded ``seed``."""
-    return float(np.random.default_rng([int(seed) & 0xFFFFFFFFFFFF, int(position)]).random())
-
-
-class _Uniforms:
-    """Stands in for the ``numpy.random.Generator`` of ``reference.sample_node_tokens``: it hands out the
-    prepared per-node uniforms (the reference keeps the one definition of the inverse-CDF draw)."""
-
-    def __init__(self, uniforms: np.ndarray):
-        self._uniforms = uniforms
-
-    def random(self, shape):
-        if tuple(shape) != self._uniforms.shape:
-            raise ValueError(f"prepared uniforms have shape {self._uniforms.shape}, the draw wants {tuple(shape)}")
-        return self._uniforms
-
-
 def _sampling_inputs(temperatures, seeds, seq_lens):
     """Host copies of the per-request sampling inputs: (temperatures float, seeds int64, lengths int64)."""
     return (_np(temperatures.float()).reshape(-1), _np(seeds).reshape(-1).astype(np.int64),
@@ -230,9 +212,9 @@ class ReferenceBackend:
                        top_ps=None, min_ps=None) -> TorchAccept:
         """T > 0 walk: every node's token is drawn from ``softmax(logits / T)`` filtered by the request's
         ``top_ks`` / ``top_ps`` / ``min_ps`` as SGLang's sampler does (``reference.sample_node_tokens``), with the
-        uniform ``position_uniform(seed, P + depth + 1)`` of the position it generates, then the ``reference`` walk.
-        Rows with ``temperatures[b] <= 0`` or ``top_ks[b] == 1`` (SGLang's encoding of a greedy request in a
-        sampled batch) are greedy.
+        uniform ``reference.position_uniform(seed, P + depth + 1)`` of the position it generates, then the
+        ``reference`` walk. Rows with ``temperatures[b] <= 0`` or ``top_ks[b] == 1`` (SGLang's encoding of a
+        greedy request in a sampled batch) are greedy.
 
         Keying the uniform by (seed, absolute position) instead of by node number makes the output equal to
         autoregressive inverse-CDF sampling with the same uniforms: independent of the tree's shape (of the
@@ -250,8 +232,8 @@ class ReferenceBackend:
             if temps[b] <= 0 or ks[b] == 1:
                 parts.append(reference.accept_greedy(one, logits_np[b : b + 1], max_depth))
                 continue
-            uniforms = np.array([[position_uniform(seeds_np[b], lens[b] + d + 1) for d in tb.depths[b]]])
-            node_tokens = reference.sample_node_tokens(logits_np[b : b + 1], float(temps[b]), _Uniforms(uniforms),
+            uniforms = reference.PositionUniforms(seeds_np[b], lens[b] + tb.depths[b : b + 1] + 1)
+            node_tokens = reference.sample_node_tokens(logits_np[b : b + 1], float(temps[b]), uniforms,
                                                        top_k=ks[b], top_p=ps[b], min_p=mps[b])
             parts.append(reference.accept_greedy(one, node_tokens, max_depth))
         return TorchAccept(*(self._t(np.concatenate([getattr(p, f) for p in parts]))
@@ -260,15 +242,15 @@ class ReferenceBackend:
     def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None,
                       min_ps=None) -> torch.Tensor:
         """One token per row from ``softmax(logits / T)`` (filtered like ``accept_sampled``) with the uniform of
-        the position it generates, ``position_uniform(seed, seq_len)`` (the same key ``accept_sampled`` uses):
-        ``[bs, V]`` -> ``[bs]``."""
+        the position it generates, ``reference.position_uniform(seed, seq_len)`` (the same key ``accept_sampled``
+        uses): ``[bs, V]`` -> ``[bs]``."""
         logits_np = _np(logits.float())
         temps, seeds_np, lens = _sampling_inputs(temperatures, seeds, seq_lens)
         ks, ps, mps = _filters(top_ks, top_ps, len(temps), min_ps)
         out = np.empty(len(temps), dtype=np.int64)
         for b in range(len(temps)):
-            u = np.array([[position_uniform(seeds_np[b], lens[b])]])
-            out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), _Uniforms(u),
+            u = reference.PositionUniforms(seeds_np[b], [[lens[b]]])
+            out[b] = reference.sample_node_tokens(logits_np[b][None, None], float(temps[b]), u,
                                                   top_k=ks[b], top_p=ps[b], min_p=mps[b])[0, 0]
         return self._t(out)
 

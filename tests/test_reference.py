@@ -677,3 +677,41 @@ def test_sample_node_tokens_with_min_p_draws_the_renormalised_kept_set():
     expect /= expect.sum()
     freq = np.array([(draws == t).mean() for t in kept])
     assert np.abs(freq - expect).max() < 0.04
+
+
+# ------------------------------------------------------------------------------------------------
+# the package and the seeded-sampling rule
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_public_name_is_importable_from_the_package_and_max_budget_is_the_states():
+    from sglang_kdtree import state
+
+    assert all(hasattr(R, name) for name in R.__all__)
+    assert R.MAX_BUDGET is state.MAX_BUDGET
+
+
+def test_position_uniform_is_a_pure_function_of_seed_and_position():
+    u = [R.position_uniform(7, p) for p in range(200)]
+    assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) == 200
+    assert u == [R.position_uniform(7, p) for p in range(200)]
+    assert R.position_uniform(8, 5) != u[5]
+    # the seed counts modulo 2^48 (a negative int64 seed is its two's complement's low 48 bits)
+    assert R.position_uniform(7 + (1 << 48), 5) == u[5]
+    assert R.position_uniform(-1, 5) == R.position_uniform((1 << 48) - 1, 5)
+
+
+def test_position_uniforms_draw_each_node_by_inverse_cdf_at_its_position():
+    """``sample_node_tokens`` with a request's ``PositionUniforms`` draws node i's token with the uniform of
+    position ``positions[i]``: the same token for the same (seed, position), whichever node asks."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1, 6, 20)).astype(np.float32)
+    positions = np.array([[10, 11, 11, 12, 12, 13]])
+    got = R.sample_node_tokens(x, 0.9, R.PositionUniforms(5, positions))
+    for i, pos in enumerate(positions[0]):
+        cdf = np.cumsum(R.sampling_weights(x[0, i], 0.9))
+        assert got[0, i] == min(int(np.searchsorted(cdf, R.position_uniform(5, pos) * cdf[-1], side="right")), 19)
+    same_row = np.repeat(x[:, :1], 3, axis=1)
+    assert len(set(R.sample_node_tokens(same_row, 0.9, R.PositionUniforms(5, [[40, 40, 40]]))[0].tolist())) == 1
+    with pytest.raises(ValueError, match=r"positions of shape \(1, 2\).*\(1, 6\)"):
+        R.sample_node_tokens(x, 0.9, R.PositionUniforms(5, [[1, 2]]))

@@ -98,7 +98,7 @@ def test_sampled_tokens_do_not_depend_on_the_tree():
     common = min(len(c) for c in commits)
     assert commits[0][:common] == commits[1][:common]
     # and it is the autoregressive draw: token at position 11 from the root's row with u(7, 11), etc.
-    from sglang_kdtree.pipeline import position_uniform
+    from sglang_kdtree.reference import position_uniform
 
     token, expected = 2, []
     for pos in range(11, 11 + common):

@@ -138,7 +138,7 @@ def _hf_sampled(model_dir, prompt, seed, temperature, new_tokens):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sglang_kdtree.pipeline import position_uniform
+    from sglang_kdtree.reference import position_uniform
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seq = list(prompt)
