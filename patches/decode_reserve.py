@@ -8,7 +8,8 @@ DFLASH chain's block. A KDTREE round writes two windows from the same start ``P`
 (``block_size`` rows) and the tree verify (``N = budget + 1`` rows, which is what
 ``speculative_num_draft_tokens`` means for KDTREE). With a small budget (``N < block_size / 2``) the draft
 block would write past the reservation into another request's slots. Under KDTREE the original runs with
-``speculative_num_draft_tokens = max(N, block_size)``; every other algorithm is untouched.
+``speculative_num_draft_tokens = max(N, block_size)`` (``state.Geometry.kv_reserve`` of the geometry the worker
+published); every other algorithm is untouched.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ TARGETS = (TARGET, "sglang.srt.runtime_context.get_spec")
 def prepare_for_decode(original, self, batch, *args, **kwargs):
     from sglang.srt.runtime_context import get_spec
 
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
 
-    block = worker.ACTIVE_BLOCK_SIZE
+    geometry = state.active()  # None: this process runs no KDTREE worker
     spec = get_spec()
-    width = int(spec.speculative_num_draft_tokens)
-    if block is None or block <= width:
+    if geometry is None or geometry.kv_reserve <= int(spec.speculative_num_draft_tokens):
         return original(self, batch, *args, **kwargs)
-    with spec.override(speculative_num_draft_tokens=int(block)):
+    with spec.override(speculative_num_draft_tokens=geometry.kv_reserve):
         return original(self, batch, *args, **kwargs)
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 
+from sglang_kdtree import state
+
 logger = logging.getLogger(__name__)
 
-ALGORITHM_NAME = "KDTREE"
 TRITON_TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
 FA3_TARGET = "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.forward_extend"
 TARGETS = (TRITON_TARGET, FA3_TARGET)
@@ -41,8 +42,7 @@ def is_kdtree_verify(forward_batch) -> bool:
     mode = getattr(forward_batch, "forward_mode", None)
     if mode is None or not mode.is_target_verify():
         return False
-    algo = getattr(forward_batch, "spec_algorithm", None)
-    return getattr(algo, "name", None) == ALGORITHM_NAME
+    return state.is_kdtree(getattr(forward_batch, "spec_algorithm", None))
 
 
 def _ancestor_bits(forward_batch):

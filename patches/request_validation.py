@@ -75,10 +75,11 @@ def kdtree_request_error(req, vocab_size: int | None = None) -> str | None:
 
 
 def validate_dflash_request(original, req, *args, **kwargs):
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
 
-    if worker.ACTIVE_BLOCK_SIZE is not None:  # this process runs a KDTreeWorker
-        error = kdtree_request_error(req, worker.ACTIVE_VOCAB_SIZE)
+    geometry = state.active()
+    if geometry is not None:  # this process runs a KDTreeWorker
+        error = kdtree_request_error(req, geometry.vocab_size)
         if error is not None:
             return error
     return original(req, *args, **kwargs)

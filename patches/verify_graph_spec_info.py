@@ -27,7 +27,8 @@ block is bidirectional and needs no mask). Other algorithms are untouched.
 
 from __future__ import annotations
 
-ALGORITHM_NAME = "KDTREE"
+from sglang_kdtree import state
+
 GRAPH_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
 DUMMY_TARGET = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
 LOAD_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch"
@@ -38,7 +39,7 @@ _STATIC_BITS = "_kdtree_ancestor_bits"
 
 
 def _is_kdtree(spec_algorithm) -> bool:
-    return getattr(spec_algorithm, "name", None) == ALGORITHM_NAME
+    return state.is_kdtree(spec_algorithm)
 
 
 def tree_verify_input(custom_mask, width: int, ancestor_bits=None):

@@ -69,11 +69,10 @@ def _check_model_paths(server_args, previous) -> None:
     before SGLang's model-config readers turn them into a Hugging Face repo-id error."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_kdtree import spec
+    from sglang_kdtree import state
 
     cfg = resolving_view(server_args)
-    algorithm = cfg.speculative_algorithm
-    if algorithm is not None and str(algorithm).upper() == spec.ALGORITHM_NAME:
+    if state.is_kdtree(cfg.speculative_algorithm):
         problems = [
             problem
             for problem in (
@@ -126,11 +125,11 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_kdtree import spec
+    from sglang_kdtree import spec, state
 
-    if get_spec(spec.ALGORITHM_NAME) is None:
+    if get_spec(state.ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
-            spec.ALGORITHM_NAME,
+            state.ALGORITHM_NAME,
             supports_overlap=spec.SUPPORTS_OVERLAP,
             validate_server_args=_validate_server_args,
             spec_class=spec.KDTreeSpec,
@@ -150,4 +149,4 @@ def register() -> None:
         raise
     _load_error = None
     _registered = True
-    logger.debug("sglang-kdtree: registered speculative algorithm %s", spec.ALGORITHM_NAME)
+    logger.debug("sglang-kdtree: registered speculative algorithm %s", state.ALGORITHM_NAME)

@@ -6,7 +6,7 @@ SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` 
 * **Node budget** B: ``--speculative-num-draft-tokens N`` is the verify width, ``N = B + 1`` (the root plus B
   tree nodes), ``1 <= B <= MAX_BUDGET``. Unset: ``N = DEFAULT_VERIFY_WIDTH``.
 * **Draft block**: ``--speculative-dflash-block-size`` (optional; else the DFlash drafter's config) gives
-  ``L = block_size - 1`` draft depths, ``2 <= block_size <= 32``.
+  ``L = block_size - 1`` draft depths, ``MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE`` (2..32).
 * **Attention backend** for the target's tree verify must honour a tree mask: ``fa3`` or ``triton`` (MHA and
   MLA) or ``flashinfer`` (MHA only: on an MLA model it becomes ``flashinfer_mla``) on CUDA; ``torch_native`` / ``intel_amx`` on CPU. ``flashmla``, ``trtllm_mla``,
   ``flashinfer_mla``, ``cutedsl_mla`` and ``trtllm_mha`` plan causal attention and would silently verify a
@@ -23,14 +23,10 @@ import logging
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from sglang_kdtree.reference import MAX_BUDGET
+from sglang_kdtree.state import (DEFAULT_BUDGET, DEFAULT_VERIFY_WIDTH, MAX_BLOCK_SIZE, MAX_BUDGET, MAX_WIDTH,
+                                 MIN_BLOCK_SIZE)
 
 logger = logging.getLogger(__name__)
-
-ALGORITHM_NAME = "KDTREE"
-DEFAULT_BUDGET = 64
-DEFAULT_VERIFY_WIDTH = DEFAULT_BUDGET + 1
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 2, 32
 
 #: Backends whose TARGET_VERIFY honours a tree mask, per device type.
 TREE_MASK_BACKENDS = {
@@ -63,12 +59,6 @@ def _is_mla_model(server_args) -> bool | None:
         return None
 
 
-def budget_of(server_args) -> int:
-    """The node budget B = ``speculative_num_draft_tokens - 1`` of resolved server args."""
-    width = server_args.speculative_num_draft_tokens
-    return (DEFAULT_VERIFY_WIDTH if width is None else int(width)) - 1
-
-
 def validate_server_args(server_args) -> None:
     """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load).
 
@@ -87,17 +77,17 @@ def validate_server_args(server_args) -> None:
         raise ValueError(
             f"KDTREE: --speculative-num-draft-tokens must be an integer (node budget + 1), got {width!r}"
         ) from None
-    if not 2 <= width <= MAX_BUDGET + 1:
+    if not 2 <= width <= MAX_WIDTH:
         raise ValueError(
             f"KDTREE: --speculative-num-draft-tokens {width} is out of range: it is the verify width N = budget + 1 "
-            f"and must lie in [2, {MAX_BUDGET + 1}] (node budget 1..{MAX_BUDGET}); e.g. "
+            f"and must lie in [2, {MAX_WIDTH}] (node budget 1..{MAX_BUDGET}); e.g. "
             f"--speculative-num-draft-tokens {DEFAULT_VERIFY_WIDTH} for a budget of {DEFAULT_BUDGET}"
         )
     block = sa.speculative_dflash_block_size
     if block is not None and not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE:
         raise ValueError(
             f"KDTREE: --speculative-dflash-block-size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] "
-            "(draft depths L = block_size - 1 <= 31); omit it to use the drafter's own block size"
+            f"(draft depths L = block_size - 1 <= {MAX_BLOCK_SIZE - 1}); omit it to use the drafter's own block size"
         )
     if sa.speculative_draft_model_path is None:
         raise ValueError(

@@ -64,6 +64,12 @@ class Geometry:
         same start, the draft block and the tree verify (``patches/decode_reserve.py``)."""
         return max(self.verify_width, self.block_size)
 
+    @property
+    def commit_width(self) -> int:
+        """C = min(N, L + 1): the most tokens one round commits (an accepted path of at most ``min(B, L)`` draft
+        nodes, then the bonus); the columns of the round's chain logprobs and accepted hidden rows."""
+        return min(self.verify_width, self.block_size)
+
 
 _active: Geometry | None = None
 

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
+from sglang_kdtree import state
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.pipeline import bookkeeping_round, select_backend, vocab_parallel_topk
 from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs, round_logprobs, round_logprobs_bytes
@@ -76,11 +77,6 @@ DUMP_COLUMNS = 2048
 #: request of a live batch; the ``round_oom`` kinds make the round's buffer reservation raise
 #: ``torch.OutOfMemoryError`` for a batch holding such a request (``round_faults``: once, or on the retry too).
 TEST_FAULTS_ENV = "KDTREE_TEST_FAULTS"
-
-#: The process's KDTREE draft block size, published by the worker for the decode-reserve patch.
-ACTIVE_BLOCK_SIZE: int | None = None
-#: The target's vocabulary size, published by the worker for admission checks (``patches/request_validation``).
-ACTIVE_VOCAB_SIZE: int | None = None
 
 #: Largest batch the startup rehearsal sizes the round's buffers for (SGLang's default largest CUDA-graph
 #: batch); a larger batch grows them on first sight.
@@ -120,11 +116,14 @@ class KDTreeWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         from sglang.srt.runtime_context import get_spec
 
-        global ACTIVE_BLOCK_SIZE, ACTIVE_VOCAB_SIZE
-        self.verify_width = int(get_spec().speculative_num_draft_tokens)
-        self.budget = self.verify_width - 1
         block_size = _read_draft_block_size(server_args)
-        ACTIVE_BLOCK_SIZE = block_size
+        # the round geometry, published for the patches (KV reservation, request admission) before SGLang
+        # builds the drafter
+        self.geometry = state.Geometry(budget=int(get_spec().speculative_num_draft_tokens) - 1,
+                                       block_size=block_size,
+                                       vocab_size=int(target_worker.model_runner.model_config.vocab_size))
+        state.publish(self.geometry)
+        self.verify_width, self.budget = self.geometry.verify_width, self.geometry.budget
         # DFlashWorkerV2 sizes its draft block (buffers, draft CUDA graph, conv layout) from
         # speculative_num_draft_tokens; for DDTree that flag is the verify width, so the drafter is built
         # with its own block size and a chain (topk 1) draft backend.
@@ -133,11 +132,9 @@ class KDTreeWorker(DFlashWorkerV2):
                              target_worker=target_worker)
         if int(self.block_size) != block_size:
             raise RuntimeError(f"KDTREE: drafter block size {self.block_size} != expected {block_size}")
-        self.depths = block_size - 1
+        self.depths, self.vocab_size = self.geometry.depths, self.geometry.vocab_size
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
-        self.vocab_size = int(self.target_worker.model_runner.model_config.vocab_size)
-        ACTIVE_VOCAB_SIZE = self.vocab_size
         # Opt-in per-round record (one JSON line per round) for tests and offline analysis; costs a host
         # sync per round, so it is off unless the variable names a file.
         self._round_log = os.environ.get(ROUND_LOG_ENV) or None

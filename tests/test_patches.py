@@ -210,7 +210,7 @@ def test_graph_replay_copies_the_rounds_ancestor_bits_into_the_static_buffer():
 
 
 def test_request_validation_refuses_grammar_only_under_kdtree_and_serves_logprobs(monkeypatch):
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 
     original = lambda req, enable_overlap: "original"  # noqa: E731
@@ -219,9 +219,9 @@ def test_request_validation_refuses_grammar_only_under_kdtree_and_serves_logprob
     logprob = _Obj(return_logprob=True, sampling_params=plain.sampling_params)
     grammar = _Obj(return_logprob=False, sampling_params=_Obj(json_schema="{}", regex=None, ebnf=None,
                                                               structural_tag=None))
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
+    monkeypatch.setattr(state, "_active", None)
     assert patch.validate_dflash_request(original, grammar, False) == "original"
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8))
     assert patch.validate_dflash_request(original, plain, False) == "original"
     assert patch.validate_dflash_request(original, logprob, False) == "original"  # served (spec_logprobs)
     assert "json_schema" in patch.validate_dflash_request(original, grammar, False)
@@ -243,12 +243,11 @@ def _sampled_req(ids=(1, 2, 3), **overrides):
 def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch, field, value):
     """SGLang's penalizers and logit_bias change the logits before even a greedy pick, so they are refused at
     any temperature."""
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 
     original = lambda req, enable_overlap: "original"  # noqa: E731
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
-    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8, vocab_size=100))
     error = patch.validate_dflash_request(original, _sampled_req(**{field: value}), False)
     assert error != "original" and field in error
     if not isinstance(value, dict):
@@ -259,7 +258,7 @@ def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch,
     assert patch.validate_dflash_request(original, _sampled_req(), False) == "original"
     assert patch.validate_dflash_request(original, _sampled_req(top_k=40, top_p=0.9), False) == "original"
     # and nothing is refused when this process is not a KDTREE server
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", None)
+    monkeypatch.setattr(state, "_active", None)
     assert patch.validate_dflash_request(original, _sampled_req(**{field: value}), False) == "original"
 
 
@@ -268,12 +267,11 @@ def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch,
 def test_kdtree_serves_min_p_with_or_without_top_k_and_top_p(monkeypatch, temperature, filters):
     """min-p is applied by the tree accept (``reference.filter_top_k_top_p``, ``kernels/tree_accept.cu``): it
     reaches SGLang's own check at any temperature, alone or with top-k / top-p."""
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 
     original = lambda req, enable_overlap: "original"  # noqa: E731
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
-    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8, vocab_size=100))
     req = _sampled_req(temperature=temperature, **filters)
     assert req.sampling_params.min_p == filters["min_p"]
     assert patch.validate_dflash_request(original, req, False) == "original"
@@ -283,11 +281,11 @@ def test_kdtree_serves_min_p_with_or_without_top_k_and_top_p(monkeypatch, temper
 
 
 def test_kdtree_refuses_custom_logit_processors(monkeypatch):
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 
     original = lambda req, enable_overlap: "original"  # noqa: E731
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8))
     req = _sampled_req(temperature=0)
     req.custom_logit_processor = "serialized-processor"
     assert "custom_logit_processor" in patch.validate_dflash_request(original, req, False)
@@ -295,12 +293,11 @@ def test_kdtree_refuses_custom_logit_processors(monkeypatch):
 
 @pytest.mark.parametrize("ids, bad", [([0, 99], None), ([5, 100], 100), ([-1, 3], -1), ([], None)])
 def test_kdtree_refuses_token_ids_outside_the_vocabulary(monkeypatch, ids, bad):
-    from sglang_kdtree import worker
+    from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 
     original = lambda req, enable_overlap: "original"  # noqa: E731
-    monkeypatch.setattr(worker, "ACTIVE_BLOCK_SIZE", 8)
-    monkeypatch.setattr(worker, "ACTIVE_VOCAB_SIZE", 100)
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8, vocab_size=100))
     result = patch.validate_dflash_request(original, _sampled_req(ids, temperature=0), False)
     if bad is None:
         assert result == "original"

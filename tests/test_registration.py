@@ -13,7 +13,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-from sglang_kdtree import plugin, spec  # noqa: E402
+from sglang_kdtree import plugin, spec, state  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +109,13 @@ def test_spec_class_defines_every_method_the_scheduler_calls():
 def test_valid_configuration_resolves(model_dir):
     cfg = resolve(model_dir)
     assert cfg.speculative_algorithm == "KDTREE"
-    assert cfg.speculative_num_draft_tokens == spec.DEFAULT_VERIFY_WIDTH
+    assert cfg.speculative_num_draft_tokens == state.DEFAULT_VERIFY_WIDTH
     assert cfg.speculative_num_steps == 1 and cfg.speculative_eagle_topk == 2
     assert cfg.page_size == 1
     cfg = resolve(model_dir, "--speculative-num-draft-tokens", "257", "--speculative-dflash-block-size", "16")
-    assert cfg.speculative_num_draft_tokens == 257 and spec.budget_of(cfg) == 256
+    assert cfg.speculative_num_draft_tokens == 257
     cfg = resolve(model_dir, "--speculative-num-draft-tokens", "1025")
-    assert spec.budget_of(cfg) == 1024
+    assert cfg.speculative_num_draft_tokens == state.MAX_WIDTH == state.MAX_BUDGET + 1
 
 
 @pytest.mark.parametrize(

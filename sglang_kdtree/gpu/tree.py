@@ -28,7 +28,7 @@ from sglang_kdtree.gpu.topk import (
 
 __all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
 
-MAX_BUDGET = 1024
+from sglang_kdtree.state import MAX_BUDGET  # noqa: E402
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
 _STATIC_SMEM = 34560  # static shared memory of build_trees_kernel (34464 B on the H200, rounded up), for the dynamic-size opt-in

@@ -19,7 +19,7 @@ from sglang_kdtree.gpu.topk import _ptr, _require_cuda, new_error_flag, raise_on
 __all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
-_MAX_WIDTH = 1025
+from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH  # noqa: E402
 
 
 @dataclass(frozen=True)
