@@ -282,10 +282,10 @@ def accept_sampled(
     ``min_p_threshold``); it agrees with the reference except for a token whose ``exp`` lies within the two
     ``exp`` implementations' error (~2^-52 relative) of ``min_p`` (min-p costs one more pass over the row
     when it cuts deeper than top-k / top-p). The draw is a pure function of ``(seeds[b], P + depth + 1)``
-    (Philox4x32-10), the absolute position of the token it
-    draws (as ``pipeline.ReferenceBackend`` keys its uniforms): independent of the tree's shape and node
-    numbering, reproducible, and successive rounds (seq_len grows) draw at new positions. Weights are 2^-44 fixed point relative to the row max:
-    tokens below ``2^-44`` of the top token's probability are never drawn. Requests with ``T <= 0``
+    (Philox4x32-10), the absolute position of the token it draws (as ``pipeline.ReferenceBackend`` keys its
+    uniforms): independent of the tree's shape and node numbering, reproducible, and successive rounds
+    (seq_len grows) draw at new positions. Weights are 2^-44 fixed point relative to the row max: tokens
+    below ``2^-44`` of the top token's probability are never drawn. Requests with ``T <= 0``
     walk greedily (argmax, lower id on ties), as do those with ``top_k == 1``.
 
     Args:
@@ -308,28 +308,11 @@ def accept_sampled(
     tokens, parents, num_nodes, bs, width, device, max_depth, seq_lens = _check_round(
         trees, max_depth, seq_lens, sampled=True)
     t, vocab, ld = _check_logits(target_logits, bs, width, device)
-    _require_tensor("temperatures", temperatures, torch.float32, None, device)
-    temperatures = temperatures.reshape(-1).contiguous()
-    _require_tensor("seeds", seeds, torch.int64, 1, device)
-    if temperatures.shape[0] != bs or seeds.shape[0] != bs:
-        raise ValueError(
-            f"temperatures {tuple(temperatures.shape)} and seeds {tuple(seeds.shape)} must have {bs} entries"
-        )
-    if top_ks is not None:
-        _require_tensor("top_ks", top_ks, (torch.int64, torch.int32), 1, device)
-        if top_ks.shape[0] != bs:
-            raise ValueError(f"top_ks has shape {tuple(top_ks.shape)}, expected ({bs},)")
-        top_ks = top_ks.to(torch.int64).contiguous()
-    if top_ps is not None:
-        _require_tensor("top_ps", top_ps, torch.float32, 1, device)
-        if top_ps.shape[0] != bs:
-            raise ValueError(f"top_ps has shape {tuple(top_ps.shape)}, expected ({bs},)")
-        top_ps = top_ps.contiguous()
-    if min_ps is not None:
-        _require_tensor("min_ps", min_ps, torch.float32, 1, device)
-        if min_ps.shape[0] != bs:
-            raise ValueError(f"min_ps has shape {tuple(min_ps.shape)}, expected ({bs},)")
-        min_ps = min_ps.contiguous()
+    temperatures, seeds = _check_temperatures_and_seeds(temperatures, seeds, bs, device)
+    top_ks = _check_per_request("top_ks", top_ks, (torch.int64, torch.int32), bs, device)
+    top_ks = top_ks.to(torch.int64) if top_ks is not None else None
+    top_ps = _check_per_request("top_ps", top_ps, torch.float32, bs, device)
+    min_ps = _check_per_request("min_ps", min_ps, torch.float32, bs, device)
     res = _outputs(bs, width, max_depth, device, True, out)
     if bs == 0:
         return res
@@ -338,9 +321,34 @@ def accept_sampled(
         _kernel(name)(
             (bs,), (_ACCEPT_THREADS_LOGITS,),
             (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
-             _ptr(seq_lens), _ptr(temperatures), _ptr(top_ks), _ptr(top_ps), _ptr(min_ps), _ptr(seeds.contiguous()),
+             _ptr(seq_lens), _ptr(temperatures), _ptr(top_ks), _ptr(top_ps), _ptr(min_ps), _ptr(seeds),
              np.int32(width), np.int32(max_depth + 1), np.int32(width),
              _ptr(res.accepted), _ptr(res.accept_lens), _ptr(res.bonus), _ptr(res.committed),
              _ptr(res.new_seq_lens), _ptr(res.errors)),
         )
     return res
+
+
+def _check_temperatures_and_seeds(temperatures, seeds, bs, device):
+    """``accept_sampled``'s per-request temperatures (``[bs]`` or ``[bs, 1]`` float32, flattened) and seeds
+    (``[bs]`` int64), contiguous."""
+    import torch
+
+    _require_tensor("temperatures", temperatures, torch.float32, None, device)
+    temperatures = temperatures.reshape(-1).contiguous()
+    _require_tensor("seeds", seeds, torch.int64, 1, device)
+    if temperatures.shape[0] != bs or seeds.shape[0] != bs:
+        raise ValueError(
+            f"temperatures {tuple(temperatures.shape)} and seeds {tuple(seeds.shape)} must have {bs} entries"
+        )
+    return temperatures, seeds.contiguous()
+
+
+def _check_per_request(name, x, dtype, bs, device):
+    """An optional ``[bs]`` per-request sampling parameter (top_ks, top_ps, min_ps), contiguous; None stays None."""
+    if x is None:
+        return None
+    _require_tensor(name, x, dtype, 1, device)
+    if x.shape[0] != bs:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({bs},)")
+    return x.contiguous()
