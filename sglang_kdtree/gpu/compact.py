@@ -1,11 +1,11 @@
 """GPU commit (``kernels/kv_compact.cu``, ``kernels/gather_hidden.cu``): twins of ``reference.commit_plan``,
 ``reference.compact_kv`` and ``reference.gather_hidden`` over torch CUDA tensors, no host sync.
 
-Typical round (the worker): ``plan = commit_plan(res.accepted, res.accept_lens, verify_slots)`` with
-``verify_slots = verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, N)``, then
-``compact_kv(table, plan)`` with ``table = kv_layer_table(pool.kv_buffer)`` (MLA) or
-``kv_layer_table(pool.k_buffer + pool.v_buffer)`` (MHA) built once per pool, and
-``gather_hidden(hidden, plan)`` for the drafter.
+Typical round: the worker calls ``pipeline.GpuBackend``'s ``commit_plan`` / ``commit_kv`` / ``gather_hidden``
+(or its ``accept_commit_greedy`` step graph), which run ``plan = commit_plan(res.accepted, res.accept_lens,
+verify_slots)`` with the verify rows' slots ``req_to_token[req, P : P + N]``, then ``compact_kv(table, plan)``
+with ``table = kv_layer_table(pool.kv_buffer)`` (MLA) or ``kv_layer_table(pool.k_buffer + pool.v_buffer)``
+(MHA) built once per pool, and ``gather_hidden(hidden, plan)`` for the drafter.
 
 Data-dependent errors (slot out of range, invalid path, bad hidden row) set bits in an ``int32 [1]``
 device flag (``sglang_kdtree.gpu.errors``) and the offending request is not written; shapes, dtypes and
@@ -28,7 +28,6 @@ __all__ = [
     "GPUCommitPlan",
     "KVLayerTable",
     "kv_layer_table",
-    "verify_slots_from_req_to_token",
     "commit_plan",
     "compact_kv",
     "gather_hidden",
@@ -39,7 +38,7 @@ _COMPACT_THREADS = 256  # = COMPACT_THREADS in kv_compact.cu
 #: blocks resident at once on an H200 (132 SMs x 4 compaction blocks); several waves balance the tail
 _RESIDENT_BLOCKS = 132 * 4
 _GATHER_THREADS = 128
-from sglang_kdtree.state import MAX_WIDTH as _MAX_ROWS  # noqa: E402  (rows per request: the verify width)
+_MAX_ROWS = 1025
 #: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
 _TARGET_BLOCKS = 4 * 132
 
@@ -126,26 +125,6 @@ def kv_layer_table(buffers) -> KVLayerTable:
         device=first.device,
         buffers=buffers,
     )
-
-
-def verify_slots_from_req_to_token(req_to_token, req_pool_indices, seq_lens, width: int):
-    """``[bs, N]`` int64 KV slots of the verify rows: ``req_to_token[req_pool_indices[b], seq_lens[b] + i]``.
-
-    Args:
-        req_to_token: SGLang's ``[pool_size, max_context]`` int32 (or int64) table.
-        req_pool_indices: ``[bs]`` int64.
-        seq_lens: ``[bs]`` int64 committed lengths P (node i sits at position P + i during verify).
-        width: verify width N.
-    """
-    import torch
-
-    for name, t in (("req_to_token", req_to_token), ("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-        _require_cuda(name, t)
-    cols = seq_lens.to(torch.int64)[:, None] + torch.arange(width, device=seq_lens.device)[None, :]
-    # a window past the table's end would read garbage: clamp and let the compaction's range check see -1
-    inside = cols < req_to_token.shape[1]
-    rows = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols.clamp(max=req_to_token.shape[1] - 1)]
-    return torch.where(inside, rows.to(torch.int64), torch.full_like(cols, -1))
 
 
 @functools.cache

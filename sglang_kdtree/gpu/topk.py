@@ -41,8 +41,8 @@ CHUNK_THREADS = 512
 MERGE_THREADS = 1024
 MAX_K = 1024
 MAX_SHARD_CANDIDATES = 8192  # S * Ks sorted in shared memory by topk_merge_shards (64 KiB)
-_KERNEL = "topk_logsumexp.cu"  # the cut-based kernel (run 3) and the TP shard merge
-_HIST_KERNEL = "topk_histogram.cu"  # streaming-histogram top-K (run 4)
+_KERNEL = "topk_logsumexp.cu"  # the cut-based top-K kernel and the TP shard merge
+_HIST_KERNEL = "topk_histogram.cu"  # streaming-histogram top-K
 _OPTIONS: tuple[str, ...] = ()  # extra NVRTC options (benchmarks compare -DCHUNK_MIN_BLOCKS variants)
 #: which top-K pipeline topk_logprobs / shard_topk_partials run: "histogram" (topk_histogram.cu) or "cut"
 #: (topk_logsumexp.cu's chunk + merge kernels). A workspace is built for one of them.

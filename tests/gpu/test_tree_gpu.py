@@ -449,14 +449,9 @@ def test_cuda_graph_replay_matches_eager():
     fill(1)
     builder.round(static_logits, budget, roots, seq, seq_sum)  # warm-up: compiles the kernels
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        builder.round(static_logits, budget, roots, seq, seq_sum)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_trees, g_ver = builder.round(static_logits, budget, roots, seq, seq_sum)
+    from sglang_kdtree.bench_timing import capture_graph
+
+    graph, (g_trees, g_ver) = capture_graph(lambda: builder.round(static_logits, budget, roots, seq, seq_sum))
     for seed in (2, 3):
         fill(seed)
         graph.replay()
