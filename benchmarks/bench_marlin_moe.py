@@ -1,5 +1,5 @@
 """Routed experts of Kimi K2.6 (384 experts, top 8, hidden 7168, INT4 W4A16 group 32) at tree-verify widths:
-ours (sglang_kdtree.marlin_moe.fused_moe_marlin: SGLang's JIT Marlin GEMM + CuPy glue) vs the bf16 model
+ours (sglang_kdtree.moe.forward.fused_moe_marlin: SGLang's JIT Marlin GEMM + CuPy glue) vs the bf16 model
 (the same experts dequantized once to bf16, resident; per call: sort routes by expert, torch grouped
 matmul ``torch._grouped_mm`` for gate|up and down, SiLU, top-k weighted scatter-add; a per-expert
 ``torch.mm`` loop where ``_grouped_mm`` is unavailable) vs the INT4 weight-bandwidth floor: bytes of the
@@ -84,14 +84,14 @@ def bf16_experts(packed):
     """The experts dequantized once to bf16, stored [E, out, in] (row-major per expert, nn.Linear style)."""
     import torch
 
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import weights as mw
 
     E, K, N = packed.num_experts, packed.hidden_size, packed.intermediate_size
     w13 = torch.empty((E, 2 * N, K), dtype=torch.bfloat16, device=DEVICE)
     w2 = torch.empty((E, K, N), dtype=torch.bfloat16, device=DEVICE)
     for e in range(E):  # one expert at a time: fp32 copies of all of them would not fit at TP 1
-        w13[e] = mm.dequantize(packed.w13_packed[e], packed.w13_scale[e]).t().to(torch.bfloat16)
-        w2[e] = mm.dequantize(packed.w2_packed[e], packed.w2_scale[e]).t().to(torch.bfloat16)
+        w13[e] = mw.dequantize(packed.w13_packed[e], packed.w13_scale[e]).t().to(torch.bfloat16)
+        w2[e] = mw.dequantize(packed.w2_packed[e], packed.w2_scale[e]).t().to(torch.bfloat16)
     return w13, w2
 
 
@@ -147,16 +147,18 @@ def max_rel(ours, ref) -> float:
 def run_shape(name, tokens, bw, rows, check_tokens):
     import torch
 
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import forward as fwd
+    from sglang_kdtree.moe import reference as twin
+    from sglang_kdtree.moe import weights as mw
 
     E, K, N = SHAPES[name]
     t0 = time.perf_counter()
-    packed = mm.random_packed_weights(E, K, N, device=DEVICE, seed=1)
-    marlin = mm.repack_for_marlin(packed)
+    packed = mw.random_packed_weights(E, K, N, device=DEVICE, seed=1)
+    marlin = mw.repack_for_marlin(packed)
     w13, w2 = bf16_experts(packed)
     print(f"[{name}] weights ready in {time.perf_counter() - t0:.1f} s (E={E} K={K} N={N})", flush=True)
     grouped = hasattr(torch, "_grouped_mm")
-    default = mm.DEFAULT_REDUCE
+    default = fwd.DEFAULT_REDUCE
     per_expert = expert_bytes(K, N)
     gen = torch.Generator(device=DEVICE)
     gen.manual_seed(7)
@@ -170,7 +172,7 @@ def run_shape(name, tokens, bw, rows, check_tokens):
             cases.append((x, ids, w))
         touched = sum(int(torch.unique(ids).numel()) for _, ids, _ in cases) / ROTATE
         x0, ids0, w0 = cases[0]
-        outs0 = {mode: mm.fused_moe_marlin(x0, marlin, w0, ids0, FACTOR, reduce=mode) for mode in mm.REDUCE_MODES}
+        outs0 = {mode: fwd.fused_moe_marlin(x0, marlin, w0, ids0, FACTOR, reduce=mode) for mode in fwd.REDUCE_MODES}
         ours0 = outs0[default]
         use_grouped = grouped
         if use_grouped:
@@ -187,7 +189,7 @@ def run_shape(name, tokens, bw, rows, check_tokens):
                "ours_reduce": default}
         row["rel_ours_vs_bf16"] = max_rel(ours0, base0)
         if M in check_tokens:
-            ref = mm.fused_moe_reference(x0, packed, w0, ids0, FACTOR)
+            ref = twin.fused_moe_reference(x0, packed, w0, ids0, FACTOR)
             for mode, out0 in outs0.items():
                 row[f"rel_{mode}"] = max_rel(out0, ref)
             row["rel_ours"] = row[f"rel_{default}"]
@@ -197,23 +199,23 @@ def run_shape(name, tokens, bw, rows, check_tokens):
         else:
             base_fns = [lambda c=c, p=p: bf16_moe_loop(c[0], c[1], c[2], w13, w2, FACTOR, p)
                         for c, p in zip(cases, plans)]
-        for mode in mm.REDUCE_MODES:
-            fns = [lambda c=c, m=mode: mm.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR, reduce=m) for c in cases]
+        for mode in fwd.REDUCE_MODES:
+            fns = [lambda c=c, m=mode: fwd.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR, reduce=m) for c in cases]
             row[f"{mode}_graph_us"], row[f"{mode}_timing"] = graph_or_eager_us(fns, f"ours ({mode} reduce)")
         row["ours_graph_us"], row["ours_timing"] = row[f"{default}_graph_us"], row[f"{default}_timing"]
         row["bf16_graph_us"], row["bf16_timing"] = graph_or_eager_us(base_fns, "bf16")
         calls = ROTATE * REPEAT
-        ours_fns = [lambda c=c: mm.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR) for c in cases]
+        ours_fns = [lambda c=c: fwd.fused_moe_marlin(c[0], marlin, c[2], c[1], FACTOR) for c in cases]
         row["ours_eager_us"] = cuda_time_us(lambda: [f() for _ in range(REPEAT) for f in ours_fns], calls)
         row["floor_us"] = touched * per_expert / bw * 1e6
         row["pct_floor"] = 100 * row["floor_us"] / row["ours_graph_us"]
         row["x_vs_bf16"] = row["bf16_graph_us"] / row["ours_graph_us"]
-        other = [m for m in mm.REDUCE_MODES if m != default][0]
+        other = [m for m in fwd.REDUCE_MODES if m != default][0]
         print(f"  {name} M={M:4d} experts={touched:6.1f} floor={row['floor_us']:8.1f}us ours={row['ours_graph_us']:8.1f}us "
               f"({row['pct_floor']:5.1f}% of floor, {default} reduce; {other} reduce {row[other + '_graph_us']:.1f}us) "
               f"bf16={row['bf16_graph_us']:8.1f}us ({row['x_vs_bf16']:.2f}x) "
               f"eager={row['ours_eager_us']:8.1f}us rel(ours,bf16)={row['rel_ours_vs_bf16']:.2e}"
-              + ("".join(f" rel({m},ref)={row['rel_' + m]:.2e}" for m in mm.REDUCE_MODES)
+              + ("".join(f" rel({m},ref)={row['rel_' + m]:.2e}" for m in fwd.REDUCE_MODES)
                  + f" rel(bf16,ref)={row['rel_bf16']:.2e}" if "rel_ours" in row else ""),
               flush=True)
         if M in BREAKDOWN_TOKENS:
@@ -229,15 +231,16 @@ def stage_breakdown(marlin, cases, reduce) -> dict:
     inputs of every stage precomputed): where the time between the floor and the whole call goes."""
     import torch
 
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import forward as fwd
+    from sglang_kdtree.moe import launch, routing
 
     E, N, K = marlin.num_experts, marlin.intermediate_size, marlin.hidden_size
     atomic = reduce == "atomic"
     prepared = []
     for x, ids, w in cases:
         M, top_k = ids.shape
-        block = mm.choose_block_size_m(M, top_k, E)
-        align = mm.moe_align_block_size(ids, E, block)
+        block = routing.choose_block_size_m(M, top_k, E)
+        align = launch.moe_align_block_size(ids, E, block)
         tables = (align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, w)
         gate_up = torch.empty((M * top_k, 2 * N), dtype=x.dtype, device=x.device)
         act = torch.empty((M * top_k, N), dtype=x.dtype, device=x.device)
@@ -245,15 +248,15 @@ def stage_breakdown(marlin, cases, reduce) -> dict:
         out = torch.empty_like(x)
         prepared.append((x, ids, block, tables, gate_up, act, routed, out))
     stages = {
-        "align": lambda x, ids, block, tables, gate_up, act, routed, out: mm.moe_align_block_size(ids, E, block),
-        "gemm1": lambda x, ids, block, tables, gate_up, act, routed, out: mm.marlin_gemm(
+        "align": lambda x, ids, block, tables, gate_up, act, routed, out: launch.moe_align_block_size(ids, E, block),
+        "gemm1": lambda x, ids, block, tables, gate_up, act, routed, out: fwd.marlin_gemm(
             x, gate_up, marlin.w13, marlin.w13_scale, marlin.workspace, tables, block, top_k=ids.shape[1],
             mul_topk_weights=False, atomic=atomic),
-        "silu": lambda x, ids, block, tables, gate_up, act, routed, out: mm.silu_and_mul(gate_up, out=act),
-        "gemm2": lambda x, ids, block, tables, gate_up, act, routed, out: mm.marlin_gemm(
+        "silu": lambda x, ids, block, tables, gate_up, act, routed, out: launch.silu_and_mul(gate_up, out=act),
+        "gemm2": lambda x, ids, block, tables, gate_up, act, routed, out: fwd.marlin_gemm(
             act, routed, marlin.w2, marlin.w2_scale, marlin.workspace, tables, block, top_k=1,
             mul_topk_weights=True, atomic=atomic),
-        "topk_sum": lambda x, ids, block, tables, gate_up, act, routed, out: mm.moe_topk_sum(
+        "topk_sum": lambda x, ids, block, tables, gate_up, act, routed, out: launch.moe_topk_sum(
             routed, ids, E, FACTOR, out=out),
     }
     result = {}
@@ -304,25 +307,27 @@ def accuracy_sweep(draws: int, tokens=(1, 8, 65)) -> list:
     each reduce mode and the bf16 model: (shape, tokens, source, median, max, share of draws > 1e-2)."""
     import torch
 
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import forward as fwd
+    from sglang_kdtree.moe import reference as twin
+    from sglang_kdtree.moe import weights as mw
 
     out = []
     for name, (E, K, N, top_k) in SWEEP_SHAPES.items():
-        packed = mm.random_packed_weights(E, K, N, device=DEVICE, seed=5)
-        marlin = mm.repack_for_marlin(packed)
+        packed = mw.random_packed_weights(E, K, N, device=DEVICE, seed=5)
+        marlin = mw.repack_for_marlin(packed)
         w13, w2 = bf16_experts(packed)
         gen = torch.Generator(device=DEVICE)
         gen.manual_seed(11)
         for M in tokens:
-            errs = {m: [] for m in (*mm.REDUCE_MODES, "bf16")}
+            errs = {m: [] for m in (*fwd.REDUCE_MODES, "bf16")}
             for _ in range(draws):
                 ids = torch.topk(torch.rand((M, E), device=DEVICE, generator=gen), top_k, dim=1).indices.to(torch.int32)
                 w = torch.rand((M, top_k), device=DEVICE, generator=gen) + 0.1
                 w = w / w.sum(dim=1, keepdim=True)
                 x = torch.randn((M, K), device=DEVICE, generator=gen).to(torch.bfloat16)
-                ref = mm.fused_moe_reference(x, packed, w, ids, FACTOR)
-                for mode in mm.REDUCE_MODES:
-                    errs[mode].append(max_rel(mm.fused_moe_marlin(x, marlin, w, ids, FACTOR, reduce=mode), ref))
+                ref = twin.fused_moe_reference(x, packed, w, ids, FACTOR)
+                for mode in fwd.REDUCE_MODES:
+                    errs[mode].append(max_rel(fwd.fused_moe_marlin(x, marlin, w, ids, FACTOR, reduce=mode), ref))
                 errs["bf16"].append(max_rel(bf16_moe_loop(x, ids, w, w13, w2, FACTOR, bf16_moe_loop_plan(ids)), ref))
             for source, e in errs.items():
                 e = sorted(e)
@@ -350,12 +355,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import jit
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    print(f"Marlin kernels ready in {mm.ensure_marlin_kernels('bfloat16'):.1f} s", flush=True)
+    print(f"Marlin kernels ready in {jit.ensure_marlin_kernels('bfloat16'):.1f} s", flush=True)
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -390,16 +395,17 @@ def test_bench_marlin_moe_tp8_65(benchmark):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from sglang_kdtree import marlin_moe as mm
+    from sglang_kdtree.moe import forward as fwd
+    from sglang_kdtree.moe import weights as mw
 
     E, K, N = SHAPES["tp8"]
-    marlin = mm.repack_for_marlin(mm.random_packed_weights(E, K, N, device="cuda", seed=1))
+    marlin = mw.repack_for_marlin(mw.random_packed_weights(E, K, N, device="cuda", seed=1))
     ids = torch.topk(torch.rand((65, E), device="cuda"), TOP_K, dim=1).indices.to(torch.int32)
     w = torch.rand((65, TOP_K), device="cuda")
     x = torch.randn((65, K), device="cuda").to(torch.bfloat16)
 
     def call():
-        mm.fused_moe_marlin(x, marlin, w, ids, FACTOR)
+        fwd.fused_moe_marlin(x, marlin, w, ids, FACTOR)
         torch.cuda.synchronize()
 
     benchmark(call)

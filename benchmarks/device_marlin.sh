@@ -6,7 +6,7 @@
 #   run(command="bash benchmarks/device_marlin.sh", carry=[".whl", ".jitcache"], timeout_s=600,
 #       kind="nvidia-h200")
 # .jitcache/sm90a holds the Marlin repack + MoE modules prebuilt on a CPU machine with
-#   CUDA_HOME=/usr/local/cuda-13.0 python -m sglang_kdtree.marlin_moe --warmup --arch 9.0 --export .jitcache/sm90a
+#   CUDA_HOME=/usr/local/cuda-13.0 python -m sglang_kdtree.moe --warmup --arch 9.0 --export .jitcache/sm90a
 # (~6.5 min of nvcc there, 3.7 MB): --seed verifies they were built from this sglang / tvm-ffi's sources and
 # installs them through SGLang's own JIT loader, so no nvcc runs here. Without it (or if the prebuilt does
 # not load) the first Marlin call compiles (~345 s); the steps below are time-boxed so the table still
@@ -37,7 +37,7 @@ which nvcc >> "$OUT/install.log" 2>&1; nvcc --version >> "$OUT/install.log" 2>&1
 
 step "Marlin JIT (seed from .jitcache/sm90a if present, else compile) in the background"
 SEED=(); [ -d .jitcache/sm90a ] && SEED=(--seed .jitcache/sm90a)
-( timeout "$(left 180)" python3 -m sglang_kdtree.marlin_moe ${SEED[@]+"${SEED[@]}"} --warmup > "$OUT/warmup.log" 2>&1
+( timeout "$(left 180)" python3 -m sglang_kdtree.moe ${SEED[@]+"${SEED[@]}"} --warmup > "$OUT/warmup.log" 2>&1
   echo $? > "$OUT/warmup.rc" ) &
 WARM=$!
 
@@ -56,7 +56,7 @@ timeout "$(left 20)" python3 benchmarks/bench_marlin_moe.py --shapes "${BENCH_SH
   --json "$OUT/bench_marlin.json" > "$OUT/bench_marlin.log" 2>&1; echo "bench rc=$?" | tee -a "$OUT/bench_marlin.log"
 
 step "export the JIT modules for the next run"
-timeout 20 python3 -m sglang_kdtree.marlin_moe --export "$OUT/jit-prebuilt-sm90a" > "$OUT/export.log" 2>&1
+timeout 20 python3 -m sglang_kdtree.moe --export "$OUT/jit-prebuilt-sm90a" > "$OUT/export.log" 2>&1
 
 echo "==== summary ===="
 tail -1 "$OUT/gpu.txt" 2>/dev/null

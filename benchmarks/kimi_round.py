@@ -31,7 +31,7 @@ copies (up to one per layer) that they come from HBM, not the 50 MB L2, as in th
 * tree-verify attention: ``sglang_kdtree.gpu.mla_attention.mla_tree_verify`` on ``synthetic_inputs`` with 8
   heads, every request at the given context (AR: the same kernel at width 1, a stand-in for SGLang's decode
   attention); captured in a graph, so its split factor is the one the server's graphs use.
-* routed MoE: ``sglang_kdtree.marlin_moe.fused_moe_marlin`` at bench_marlin_moe's ``tp8`` shape (384 experts,
+* routed MoE: ``sglang_kdtree.moe.forward.fused_moe_marlin`` at bench_marlin_moe's ``tp8`` shape (384 experts,
   hidden 7168, intermediate 256, top 8), uniform random routings rotated over ``ROTATE`` draws so the touched
   experts come from HBM; where Marlin's JIT modules are not available within ``--marlin-prep-s`` (seeded from
   ``.dev-carry/jit`` or ``.jitcache/sm90a`` if carried; a cold compile takes ~6 min), the bf16 grouped path
@@ -509,7 +509,7 @@ def report(measured: dict, cfg: RoundConfig, batches, contexts, out=None) -> dic
 
 class DeadlineExceeded(BaseException):
     """The deadline (or a piece's shorter budget) passed. A BaseException, like KeyboardInterrupt, so library
-    code's ``except Exception`` (e.g. ``marlin_moe.seed_prebuilt`` falling back to a compile) cannot swallow it."""
+    code's ``except Exception`` (e.g. ``moe.jit.seed_prebuilt`` falling back to a compile) cannot swallow it."""
 
     def __init__(self, label: str = "deadline"):
         super().__init__(label)
@@ -737,25 +737,27 @@ class _Bench:
         try:
             if self.device != "cuda":
                 raise RuntimeError("no CUDA device")
-            from sglang_kdtree import marlin_moe as mm
+            from sglang_kdtree.moe import forward as fwd
+            from sglang_kdtree.moe import jit
+            from sglang_kdtree.moe import weights as mw
 
             self.alarm.arm(prep_s, "marlin")
             try:
-                if not mm.marlin_kernels_cached():
+                if not jit.marlin_kernels_cached():
                     if seed_dir is not None:
-                        seeded = mm.seed_prebuilt(seed_dir)
+                        seeded = jit.seed_prebuilt(seed_dir)
                         self.notes.append(f"Marlin JIT modules seeded from {seed_dir}: {seeded or 'none matched'}")
-                    if not mm.marlin_kernels_cached() and not allow_compile:
+                    if not jit.marlin_kernels_cached() and not allow_compile:
                         raise RuntimeError("Marlin JIT modules are neither cached nor seeded (a compile takes ~6 "
                                            "min; --allow-marlin-compile permits it)")
-                took = mm.ensure_marlin_kernels("bfloat16")
-                packed = mm.random_packed_weights(E, K, N, device="cuda", seed=1)
-                marlin = mm.repack_for_marlin(packed)
+                took = jit.ensure_marlin_kernels("bfloat16")
+                packed = mw.random_packed_weights(E, K, N, device="cuda", seed=1)
+                marlin = mw.repack_for_marlin(packed)
                 del packed
             finally:
                 self.alarm.arm()  # back to the global deadline (raises if it has passed)
-            self.moe = ("marlin", marlin, mm)
-            self.extra["moe_path"] = f"Marlin INT4 W4A16 (sglang_kdtree.marlin_moe, {mm.DEFAULT_REDUCE} reduce; " \
+            self.moe = ("marlin", marlin, fwd)
+            self.extra["moe_path"] = f"Marlin INT4 W4A16 (sglang_kdtree.moe, {fwd.DEFAULT_REDUCE} reduce; " \
                                      f"kernels ready in {took:.1f} s)"
             return
         except DeadlineExceeded as exc:

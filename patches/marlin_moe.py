@@ -1,5 +1,5 @@
 """Opt-in: run compressed-tensors W4A16 MoE layers (Kimi K2.6 routed experts) through
-``sglang_kdtree.marlin_moe.fused_moe_marlin``.
+``sglang_kdtree.moe.forward.fused_moe_marlin``.
 
 SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 
@@ -24,7 +24,7 @@ Option ``SGLANG_KDTREE_MOE`` (read when the plugin registers, i.e. in every SGLa
   once per reason: never a silent wrong answer, never a silent switch.
 
 The first routed call compiles the Marlin MoE JIT module if SGLang's cache has none (~6 min, logged;
-``python -m sglang_kdtree.marlin_moe --warmup`` pre-builds it).
+``python -m sglang_kdtree.moe --warmup`` pre-builds it).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+
+from sglang_kdtree.moe.weights import GROUP_SIZE, MARLIN_K_MULTIPLE, MARLIN_N_MULTIPLE, NUM_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,8 @@ TARGET = (
 )
 TARGETS = (TARGET,)
 
-_SUPPORTED_BITS = 4
-_SUPPORTED_GROUP_SIZE = 32
+_SUPPORTED_BITS = NUM_BITS
+_SUPPORTED_GROUP_SIZE = GROUP_SIZE
 _MIN_CAPABILITY = (8, 0)
 _warned: set[str] = set()
 #: routed calls in this process (eager calls plus one per CUDA-graph capture, whose replays run the captured
@@ -134,7 +136,7 @@ def unsupported_reason(scheme, layer, dispatch_output) -> str | None:
         return f"the scales are {sorted(map(str, scale_dtypes))}, not the activation dtype {x.dtype}"
     hidden = x.shape[-1]
     intermediate = layer.w2_weight_packed.shape[1] * 16
-    if hidden % 128 or intermediate % 64:
+    if hidden % MARLIN_N_MULTIPLE or intermediate % MARLIN_K_MULTIPLE:
         return f"hidden {hidden} / intermediate {intermediate} do not fit Marlin's tiles"
     return None
 
@@ -151,7 +153,8 @@ def apply_weights(original, self, layer, dispatch_output):
     from sglang.srt.layers import zero_copy_context
     from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
-    from sglang_kdtree.marlin_moe import MarlinMoEWeights, fused_moe_marlin
+    from sglang_kdtree.moe.forward import fused_moe_marlin
+    from sglang_kdtree.moe.weights import MarlinMoEWeights
 
     x = dispatch_output.hidden_states.contiguous()
     topk = dispatch_output.topk_output
@@ -183,5 +186,5 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, apply_weights, HookType.AROUND)
-    logger.info("sglang-kdtree: %s=marlin, compressed-tensors W4A16 MoE layers use sglang_kdtree.marlin_moe",
+    logger.info("sglang-kdtree: %s=marlin, compressed-tensors W4A16 MoE layers use sglang_kdtree.moe",
                 ENV_OPTION)

@@ -11,7 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_kdtree import marlin_moe as mm  # noqa: E402
+from sglang_kdtree.moe import forward as fwd  # noqa: E402
+from sglang_kdtree.moe import launch  # noqa: E402
+from sglang_kdtree.moe import reference as twin  # noqa: E402
+from sglang_kdtree.moe import weights as mw  # noqa: E402
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_marlin_moe.py"
 
@@ -28,24 +31,24 @@ def bench(monkeypatch):
     calls = []
 
     def fake_marlin(x, marlin, w, ids, factor=1.0, *, out=None, errors=None, reduce=None):
-        assert reduce in (None, *mm.REDUCE_MODES)
+        assert reduce in (None, *fwd.REDUCE_MODES)
         calls.append(reduce)
-        return mm.fused_moe_reference(x, marlin, w, ids, factor).to(torch.bfloat16)
+        return twin.fused_moe_reference(x, marlin, w, ids, factor).to(torch.bfloat16)
 
     def fake_repack(packed):  # the stand-in keeps the packed layout; the stage functions below only record
         packed.w13, packed.w2, packed.workspace = packed.w13_packed, packed.w2_packed, None
         return packed
 
-    monkeypatch.setattr(mm, "repack_for_marlin", fake_repack)
+    monkeypatch.setattr(mw, "repack_for_marlin", fake_repack)
     stages = []
-    monkeypatch.setattr(mm, "moe_align_block_size", lambda ids, e, block, errors=None: (
-        stages.append("align"), mm.moe_align_reference(ids, e, block))[1])
-    monkeypatch.setattr(mm, "marlin_gemm", lambda a, c, w, scale, ws, tables, block, *, top_k, mul_topk_weights,
+    monkeypatch.setattr(launch, "moe_align_block_size", lambda ids, e, block, errors=None: (
+        stages.append("align"), twin.moe_align_reference(ids, e, block))[1])
+    monkeypatch.setattr(fwd, "marlin_gemm", lambda a, c, w, scale, ws, tables, block, *, top_k, mul_topk_weights,
                         atomic: stages.append(("gemm", c.shape[1], top_k, mul_topk_weights, atomic)))
-    monkeypatch.setattr(mm, "silu_and_mul", lambda x, out=None: stages.append("silu"))
-    monkeypatch.setattr(mm, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: stages.append("sum"))
+    monkeypatch.setattr(launch, "silu_and_mul", lambda x, out=None: stages.append("silu"))
+    monkeypatch.setattr(launch, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: stages.append("sum"))
     monkeypatch.setattr(module, "BREAKDOWN_TOKENS", (5,))
-    monkeypatch.setattr(mm, "fused_moe_marlin", fake_marlin)
+    monkeypatch.setattr(fwd, "fused_moe_marlin", fake_marlin)
     timed = []
 
     def fake_timer(run, calls, trials=5):
@@ -66,7 +69,7 @@ def test_bench_rows_sweep_and_table(bench, capsys):
     bench.run_shape("tiny", [1, 5], 1e12, rows, check_tokens={1})
     assert [r["tokens"] for r in rows] == [1, 5]
     for r in rows:
-        assert r["ours_reduce"] == mm.DEFAULT_REDUCE and r["ours_graph_us"] == r["fp32_graph_us"] == 10.0
+        assert r["ours_reduce"] == fwd.DEFAULT_REDUCE and r["ours_graph_us"] == r["fp32_graph_us"] == 10.0
         assert r["atomic_graph_us"] == 10.0 and r["bf16_graph_us"] == 10.0 and r["floor_us"] > 0
     # the bf16 model path agrees with the float reference to bf16 accuracy, and so does the stand-in
     assert rows[0]["rel_bf16"] < 2e-2 and rows[0]["rel_atomic"] < 2e-2 and "rel_fp32" not in rows[1]

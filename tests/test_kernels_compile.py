@@ -1,6 +1,6 @@
-"""Every kernel under kernels/ compiles with NVRTC for sm_90 with the runtime's options (NVRTC needs no GPU),
-and every ``extern "C" __global__`` function it declares is an entry of the PTX, so a kernel that no longer
-compiles fails on a CPU machine too."""
+"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 with the
+runtime's options (NVRTC needs no GPU), and every ``extern "C" __global__`` function it declares is an entry
+of the PTX, so a kernel that no longer compiles fails on a CPU machine too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 
 from sglang_kdtree.gpu import runtime
 
-KERNELS = sorted(p.name for p in pathlib.Path(runtime.kernels_dir()).glob("*.cu"))
+#: every ``.cu`` below kernels/, by its path relative to it (the name ``runtime.kernel_source`` takes)
+KERNELS = sorted(p.relative_to(runtime.kernels_dir()).as_posix()
+                 for p in pathlib.Path(runtime.kernels_dir()).rglob("*.cu"))
 
 
 def _nvrtc():
@@ -26,6 +28,7 @@ def _nvrtc():
 
 def test_every_kernel_is_listed():
     assert len(KERNELS) >= 11 and "topk_histogram.cu" in KERNELS
+    assert {"moe/moe_align.cu", "moe/moe_topk_sum.cu", "moe/silu_and_mul.cu"} <= set(KERNELS)
 
 
 @pytest.mark.parametrize("name", KERNELS)

@@ -204,7 +204,7 @@ def sglang_moe_layer(built, tensors, layer_index: int):
 def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
     """SGLang's CompressedTensorsWNA16MoE.create_weights + FusedMoE's weight loader load every expert tensor;
     the loaded layout dequantizes to the trained weights."""
-    from sglang_kdtree.marlin_moe import PackedMoEWeights, dequantize
+    from sglang_kdtree.moe.weights import PackedMoEWeights, dequantize
 
     layer, loaded = sglang_moe_layer(built, tensors, 1)
     assert len(loaded) == 16 * 3 * 3
@@ -424,24 +424,24 @@ def test_marlin_ops_scalar_types_match_sgl_kernel():
 
 
 def test_prebuild_jit_seed_resolves_the_kdtree_builder_without_recursing(monkeypatch, tmp_path):
-    """``prebuild_jit.seed`` points ``marlin_moe.seed_prebuilt`` at its own builder list; asking for the kdtree
-    specialization (whose builder comes from ``marlin_moe._marlin_module_builders`` itself) must resolve once,
-    not recurse (it did, on the H200, 2026-11-30), and the original must be restored."""
+    """``prebuild_jit.seed`` hands ``moe.jit.seed_prebuilt`` its own builder list; asking for the kdtree
+    specialization (whose builder comes from ``moe.jit.marlin_module_builders``) must resolve once, not recurse
+    (it did, on the H200, 2026-11-30, when the list was swapped in by patching the module)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
     import prebuild_jit
 
-    from sglang_kdtree import marlin_moe
+    from sglang_kdtree.moe import jit
 
-    original = marlin_moe._marlin_module_builders
+    original = jit.marlin_module_builders
     seen = {}
 
-    def fake_seed(source):
-        seen["builders"] = marlin_moe._marlin_module_builders()
+    def fake_seed(source, *, builders):
+        seen["builders"] = list(builders)
         return []
 
-    monkeypatch.setattr(marlin_moe, "seed_prebuilt", fake_seed)
+    monkeypatch.setattr(jit, "seed_prebuilt", fake_seed)
     assert prebuild_jit.seed(tmp_path, {"kdtree"}) == []
     assert len(seen["builders"]) == 2 and all(callable(b) for b in seen["builders"])  # repack + ours
-    assert marlin_moe._marlin_module_builders is original
+    assert jit.marlin_module_builders is original

@@ -1,6 +1,6 @@
 """CPU tests of patches/marlin_moe.py: the wrapped SGLang symbol exists with the argument order the hook
 assumes, the hook is registered only when SGLANG_KDTREE_MOE=marlin, and a registered hook routes to
-sglang_kdtree.marlin_moe only for a supported layer; anything else runs SGLang's original with a warning."""
+sglang_kdtree.moe only for a supported layer; anything else runs SGLang's original with a warning."""
 
 import inspect
 import logging
@@ -111,7 +111,7 @@ def _dispatch(dtype=torch.bfloat16, tokens=3):
 @pytest.fixture
 def routed(monkeypatch):
     """A CPU stand-in for a CUDA sm_90 device and a recorder in place of fused_moe_marlin."""
-    from sglang_kdtree import marlin_moe
+    from sglang_kdtree.moe import forward
 
     calls = []
 
@@ -121,7 +121,7 @@ def routed(monkeypatch):
         return torch.full_like(x, 7.0)
 
     monkeypatch.setattr(hook, "device_reason", lambda x: None)
-    monkeypatch.setattr(marlin_moe, "fused_moe_marlin", fake_fused)
+    monkeypatch.setattr(forward, "fused_moe_marlin", fake_fused)
     monkeypatch.setattr(hook, "_warned", set())
     return calls
 

@@ -1,4 +1,4 @@
-"""CPU tests of sglang_kdtree.marlin_moe: the INT4 format against compressed-tensors' own packer, the glue
+"""CPU tests of sglang_kdtree.moe: the INT4 format against compressed-tensors' own packer, the glue
 references against plain Python loops, the float reference against a dense float64 loop, and the repack
 arguments against what SGLang's CompressedTensorsWNA16MoE.process_weights_after_loading hands the same
 SGLang functions. The CUDA kernels themselves are compiled with NVRTC here (no GPU needed) so a syntax
@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_kdtree import marlin_moe as mm
+from sglang_kdtree.moe import forward as fwd
+from sglang_kdtree.moe import launch, routing
+from sglang_kdtree.moe import reference as twin
+from sglang_kdtree.moe import weights as mw
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,17 +40,17 @@ def test_pack_int4_matches_compressed_tensors(shape):
     g = _gen(sum(shape))
     values = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)  # [..., K, N]
     values.view(-1)[:3] = torch.tensor([-8, 7, 0], dtype=torch.int8)  # both extremes present
-    ours = mm.pack_int4(values)
+    ours = mw.pack_int4(values)
     checkpoint = values.transpose(-2, -1).contiguous()  # [..., N, K]: how the checkpoint stores it
     theirs = pack_to_int32(checkpoint, 4, packed_dim=1).transpose(-2, -1)
     assert ours.dtype == torch.int32
     assert torch.equal(ours, theirs)
-    assert torch.equal(mm.unpack_int4(ours), values)
+    assert torch.equal(mw.unpack_int4(ours), values)
 
 
 def test_pack_int4_rejects_out_of_range():
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
-        mm.pack_int4(torch.full((8, 4), 8, dtype=torch.int8))
+        mw.pack_int4(torch.full((8, 4), 8, dtype=torch.int8))
 
 
 def test_quantize_dequantize_round_trip():
@@ -59,30 +62,30 @@ def test_quantize_dequantize_round_trip():
     E, K, N, group = 3, 128, 64, 32
     w13 = torch.randn((E, K, 2 * N), generator=_gen(1)) * 0.05
     w2 = torch.randn((E, N, K), generator=_gen(2)) * 0.05
-    p13, s13 = mm.quantize_symmetric(w13, group)
-    p2, s2 = mm.quantize_symmetric(w2, group)
+    p13, s13 = mw.quantize_symmetric(w13, group)
+    p2, s2 = mw.quantize_symmetric(w2, group)
     for w, p, s in ((w13, p13, s13), (w2, p2, s2)):
         step = s.float().repeat_interleave(group, dim=-2)
-        deq = mm.dequantize(p, s, group)
+        deq = mw.dequantize(p, s, group)
         assert torch.all((deq - w).abs() <= step * 0.5 + 1e-7)
-        codes = mm.unpack_int4(p)
+        codes = mw.unpack_int4(p)
         assert torch.equal(deq, codes.float() * step)
     # the checkpoint: per projection [E, out, in/8] packed along in, scales [E, out, in/g]
-    codes13, codes2 = mm.unpack_int4(p13), mm.unpack_int4(p2)
+    codes13, codes2 = mw.unpack_int4(p13), mw.unpack_int4(p2)
     gate_q = pack_to_int32(codes13[:, :, :N].transpose(1, 2).contiguous(), 4, packed_dim=1)
     up_q = pack_to_int32(codes13[:, :, N:].transpose(1, 2).contiguous(), 4, packed_dim=1)
     down_q = pack_to_int32(codes2.transpose(1, 2).contiguous(), 4, packed_dim=1)
-    loaded = mm.from_checkpoint(gate_q, up_q, down_q, s13[:, :, :N].transpose(1, 2), s13[:, :, N:].transpose(1, 2),
+    loaded = mw.from_checkpoint(gate_q, up_q, down_q, s13[:, :, :N].transpose(1, 2), s13[:, :, N:].transpose(1, 2),
                                 s2.transpose(1, 2), group)
     assert (loaded.num_experts, loaded.hidden_size, loaded.intermediate_size) == (E, K, N)
     assert torch.equal(loaded.w13_packed, p13) and torch.equal(loaded.w2_packed, p2)
     assert torch.equal(loaded.w13_scale, s13) and torch.equal(loaded.w2_scale, s2)
-    gate = mm.dequantize(loaded.w13_packed, loaded.w13_scale, group)[:, :, :N]
+    gate = mw.dequantize(loaded.w13_packed, loaded.w13_scale, group)[:, :, :N]
     assert torch.equal(gate, codes13[:, :, :N].float() * s13[:, :, :N].float().repeat_interleave(group, dim=1))
 
 
 def test_packed_weights_validate_names_the_problem():
-    w = mm.random_packed_weights(2, 64, 64, seed=3)
+    w = mw.random_packed_weights(2, 64, 64, seed=3)
     w.w2_scale = w.w2_scale[:, :1]
     with pytest.raises(ValueError, match="w2_scale"):
         w.validate()
@@ -102,7 +105,7 @@ def test_uint4b8_id_matches_sgl_kernel_scalar_type():
         mod_spec.loader.exec_module(module)
     finally:
         sys.modules.pop(mod_spec.name, None)
-    assert mm.UINT4B8.id == module.scalar_types.uint4b8.id
+    assert mw.UINT4B8.id == module.scalar_types.uint4b8.id
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -143,25 +146,25 @@ def _routing_cases():
     return cases
 
 
-@pytest.mark.parametrize("block", mm.BLOCK_SIZES_M)
+@pytest.mark.parametrize("block", routing.BLOCK_SIZES_M)
 @pytest.mark.parametrize("case", range(len(_routing_cases())))
 def test_moe_align_reference_matches_loop(case, block):
     ids, E = _routing_cases()[case]
-    align = mm.moe_align_reference(ids, E, block)
+    align = twin.moe_align_reference(ids, E, block)
     want_sorted, want_experts, bad = _align_loop(ids, E, block)
     total = int(align.num_tokens_post_padded[0])
     assert total == len(want_sorted) and int(align.num_tokens_post_padded[1]) == 0
     assert align.sorted_token_ids[:total].tolist() == want_sorted
     assert align.expert_ids[: total // block].tolist() == want_experts
-    assert total <= align.sorted_token_ids.numel() == mm.align_capacity(ids.numel(), E, block)
+    assert total <= align.sorted_token_ids.numel() == routing.align_capacity(ids.numel(), E, block)
     assert align.sorted_token_ids.numel() % block == 0
-    assert int(align.errors[0]) == (mm.ERR_EXPERT_ID if bad else 0)
+    assert int(align.errors[0]) == (routing.ERR_EXPERT_ID if bad else 0)
 
 
 def test_moe_align_reference_flags_out_of_range_ids():
     ids = torch.tensor([[0, 9], [2, 1]], dtype=torch.int32)
-    align = mm.moe_align_reference(ids, 4, 8)
-    assert int(align.errors[0]) == mm.ERR_EXPERT_ID
+    align = twin.moe_align_reference(ids, 4, 8)
+    assert int(align.errors[0]) == routing.ERR_EXPERT_ID
     assert align.sorted_token_ids[: int(align.num_tokens_post_padded[0])].tolist() == (
         [0] + [4] * 7 + [3] + [4] * 7 + [2] + [4] * 7)
     assert align.expert_ids[:3].tolist() == [0, 1, 2]
@@ -178,7 +181,7 @@ def test_choose_block_size_m_is_sglang_rule():
 
     for M in (1, 2, 8, 32, 65, 130, 260, 520, 1024, 4096, 16384):
         for topk, E in ((8, 384), (8, 48), (6, 64), (2, 8)):
-            assert mm.choose_block_size_m(M, topk, E) == sglang_rule(M, topk, E), (M, topk, E)
+            assert routing.choose_block_size_m(M, topk, E) == sglang_rule(M, topk, E), (M, topk, E)
 
 
 def _bf16_ulp(x):
@@ -189,7 +192,7 @@ def test_silu_and_mul_reference_matches_loop():
     g = _gen(11)
     x = (torch.randn((6, 2 * 24), generator=g) * 4).to(torch.bfloat16)
     x[0, 0] = -100.0  # silu underflows to -0
-    got = mm.silu_and_mul_reference(x)
+    got = twin.silu_and_mul_reference(x)
     assert got.dtype == torch.bfloat16 and got.shape == (6, 24)
     for r in range(6):
         for c in range(24):
@@ -203,7 +206,7 @@ def test_moe_topk_sum_reference_matches_loop():
     M, top_k, K, E = 5, 3, 16, 6
     ids = torch.randint(-1, E + 1, (M, top_k), generator=g)  # includes dropped (-1) and invalid (E) routes
     routed = torch.randn((M * top_k, K), generator=g).to(torch.bfloat16)
-    got = mm.moe_topk_sum_reference(routed, ids, E, 2.5)
+    got = twin.moe_topk_sum_reference(routed, ids, E, 2.5)
     for m in range(M):
         for c in range(K):
             acc = 0.0
@@ -218,15 +221,15 @@ def test_fused_moe_reference_matches_dense_loop():
     """float64 per-token loop over dense dequantized experts vs the reference's grouped computation."""
     g = _gen(13)
     E, K, N, top_k, M = 6, 64, 32, 3, 7
-    w = mm.random_packed_weights(E, K, N, seed=5)
+    w = mw.random_packed_weights(E, K, N, seed=5)
     x = torch.randn((M, K), generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(M)]).to(torch.int32)
     ids[2, 1] = -1  # a dropped route
     ids[4] = torch.tensor([5, 5, 1])  # a repeated expert inside one token
     weights = torch.rand((M, top_k), generator=g)
-    got = mm.fused_moe_reference(x, w, weights, ids, routed_scaling_factor=2.0)
-    w13 = mm.dequantize(w.w13_packed, w.w13_scale).double()
-    w2 = mm.dequantize(w.w2_packed, w.w2_scale).double()
+    got = twin.fused_moe_reference(x, w, weights, ids, routed_scaling_factor=2.0)
+    w13 = mw.dequantize(w.w13_packed, w.w13_scale).double()
+    w2 = mw.dequantize(w.w2_packed, w.w2_scale).double()
     for m in range(M):
         want = torch.zeros(K, dtype=torch.float64)
         for k in range(top_k):
@@ -267,7 +270,7 @@ def test_repack_args_match_sglang_process_weights_after_loading(monkeypatch):
     from sglang.srt.layers.quantization.marlin_utils import marlin_moe_permute_scales
 
     E, K, N, group = 4, 256, 128, 32
-    packed = mm.random_packed_weights(E, K, N, seed=21)
+    packed = mw.random_packed_weights(E, K, N, seed=21)
     scheme = _sglang_marlin_scheme(group)
     layer = torch.nn.Module()
     layer.moe_tp_size = 1
@@ -293,7 +296,7 @@ def test_repack_args_match_sglang_process_weights_after_loading(monkeypatch):
     scheme.process_weights_after_loading(layer)
     assert layer.is_marlin_converted
 
-    ours = mm.marlin_repack_args(packed)
+    ours = mw.marlin_repack_args(packed)
     assert len(calls) == 2
     for (b_q, perm, size_k, size_n, bits), key in zip(calls, ("w13", "w2")):
         o_q, o_perm, o_k, o_n, o_bits = ours[key]
@@ -306,7 +309,7 @@ def test_repack_args_match_sglang_process_weights_after_loading(monkeypatch):
     assert not torch.equal(layer.w13_weight_scale, packed.w13_scale)
 
     # SGLang's Marlin-converted layer, viewed as MarlinMoEWeights, has the geometry of the packed weights
-    view = mm.MarlinMoEWeights(layer.w13_weight_packed, layer.w13_weight_scale, layer.w2_weight_packed,
+    view = mw.MarlinMoEWeights(layer.w13_weight_packed, layer.w13_weight_scale, layer.w2_weight_packed,
                                layer.w2_weight_scale, layer.workspace, group)
     assert (view.num_experts, view.hidden_size, view.intermediate_size) == (E, K, N)
     assert tuple(view.w13.shape) == (E, K // 16, 4 * N) and tuple(view.w2.shape) == (E, N // 16, 2 * K)
@@ -314,11 +317,11 @@ def test_repack_args_match_sglang_process_weights_after_loading(monkeypatch):
 
 def test_marlin_shape_check_names_the_gemm():
     with pytest.raises(ValueError, match="down GEMM"):
-        mm._check_marlin_shape(7168 + 64, 256)
+        mw.check_marlin_shape(7168 + 64, 256)
     with pytest.raises(ValueError, match="gate_up GEMM"):
-        mm._check_marlin_shape(7168, 32)
-    mm._check_marlin_shape(7168, 256)  # Kimi K2.6 at TP 8
-    mm._check_marlin_shape(7168, 2048)  # TP 1
+        mw.check_marlin_shape(7168, 32)
+    mw.check_marlin_shape(7168, 256)  # Kimi K2.6 at TP 8
+    mw.check_marlin_shape(7168, 2048)  # TP 1
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -329,13 +332,13 @@ def test_marlin_shape_check_names_the_gemm():
 def test_launchers_reject_cpu_tensors():
     ids = torch.zeros((2, 8), dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA"):
-        mm.moe_align_block_size(ids, 16, 8)
+        launch.moe_align_block_size(ids, 16, 8)
     with pytest.raises(ValueError, match="CUDA"):
-        mm.silu_and_mul(torch.zeros((2, 32), dtype=torch.bfloat16))
+        launch.silu_and_mul(torch.zeros((2, 32), dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
-        mm.silu_and_mul(torch.zeros((2, 32), dtype=torch.float32))
+        launch.silu_and_mul(torch.zeros((2, 32), dtype=torch.float32))
     with pytest.raises(ValueError, match="CUDA"):
-        mm.moe_topk_sum(torch.zeros((16, 8), dtype=torch.bfloat16), ids, 16)
+        launch.moe_topk_sum(torch.zeros((16, 8), dtype=torch.bfloat16), ids, 16)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -351,8 +354,8 @@ class _MarlinEmulator:
     the activation dtype; other rows of c are not written."""
 
     def __init__(self, marlin, packed, workspace_min):
-        self.dense = {id(marlin.w13): mm.dequantize(packed.w13_packed, packed.w13_scale),
-                      id(marlin.w2): mm.dequantize(packed.w2_packed, packed.w2_scale)}
+        self.dense = {id(marlin.w13): mw.dequantize(packed.w13_packed, packed.w13_scale),
+                      id(marlin.w2): mw.dequantize(packed.w2_packed, packed.w2_scale)}
         self.workspace_min = workspace_min
         self.calls = []
 
@@ -365,7 +368,7 @@ class _MarlinEmulator:
         self.calls.append(dict(top_k=top_k, mul=mul_topk_weights, size_m=size_m, size_n=size_n, size_k=size_k,
                                block=moe_block_size, atomic=use_atomic_add, fp32_reduce=use_fp32_reduce))
         c = c_or_none
-        assert b_q_type.id == mm.UINT4B8.id and not is_ep and b_bias_or_none is None and b_zeros_or_none is None
+        assert b_q_type.id == mw.UINT4B8.id and not is_ep and b_bias_or_none is None and b_zeros_or_none is None
         assert g_idx_or_none is None and perm_or_none is None and global_scale_or_none is None
         assert not (expert_ids_are_sorted or zero_inactive_output or has_inactive_prefix_count)
         assert moe_block_size == 8 or (moe_block_size % 16 == 0 and 16 <= moe_block_size <= 64)
@@ -405,8 +408,8 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     assert list(inspect.signature(inspect.unwrap(sgl_marlin.moe_wna16_marlin_gemm)).parameters) == list(
         inspect.signature(_MarlinEmulator.__call__).parameters)[1:]
     E, K, N, top_k, M = 8, 256, 128, 4, 9
-    packed = mm.random_packed_weights(E, K, N, seed=31)
-    marlin = mm.MarlinMoEWeights(
+    packed = mw.random_packed_weights(E, K, N, seed=31)
+    marlin = mw.MarlinMoEWeights(
         w13=torch.zeros((E, K // 16, 4 * N), dtype=torch.int32), w13_scale=packed.w13_scale.clone(),
         w2=torch.zeros((E, N // 16, 2 * K), dtype=torch.int32), w2_scale=packed.w2_scale.clone(),
         workspace=torch.zeros(528, dtype=torch.int32))
@@ -418,13 +421,13 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
 
     monkeypatch.setattr(sgl_marlin, "moe_wna16_marlin_gemm", emulator)
-    monkeypatch.setattr(mm, "ensure_marlin_kernels", lambda *a: 0.0)
-    monkeypatch.setattr(mm, "_require_cuda", lambda name, t, dtypes=None: None)
-    monkeypatch.setattr(mm, "moe_align_block_size",
-                        lambda ids, e, block, errors=None: mm.moe_align_reference(ids, e, block))
-    monkeypatch.setattr(mm, "silu_and_mul", lambda x, out=None: mm.silu_and_mul_reference(x))
-    monkeypatch.setattr(mm, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: out.copy_(
-        mm.moe_topk_sum_reference(r, ids, e, f)))
+    monkeypatch.setattr(fwd, "ensure_marlin_kernels", lambda *a: 0.0)
+    monkeypatch.setattr(fwd, "_require_cuda", lambda name, t, dtypes=None: None)
+    monkeypatch.setattr(fwd, "moe_align_block_size",
+                        lambda ids, e, block, errors=None: twin.moe_align_reference(ids, e, block))
+    monkeypatch.setattr(fwd, "silu_and_mul", lambda x, out=None: twin.silu_and_mul_reference(x))
+    monkeypatch.setattr(fwd, "moe_topk_sum", lambda r, ids, e, f=1.0, out=None: out.copy_(
+        twin.moe_topk_sum_reference(r, ids, e, f)))
     monkeypatch.setattr(torch, "empty", garbage_empty)
 
     g = _gen(32)
@@ -433,29 +436,29 @@ def test_fused_moe_marlin_call_sequence_on_cpu(monkeypatch):
     ids[3] = -1  # a padded token
     ids[5, 2] = -1  # a dropped route
     weights = torch.rand((M, top_k), generator=g)
-    ours = mm.fused_moe_marlin(x, marlin, weights, ids, 2.5)
-    ref = mm.fused_moe_reference(x, packed, weights, ids, 2.5)
+    ours = fwd.fused_moe_marlin(x, marlin, weights, ids, 2.5)
+    ref = twin.fused_moe_reference(x, packed, weights, ids, 2.5)
     assert [(c["top_k"], c["mul"], c["size_m"], c["size_n"], c["size_k"]) for c in emulator.calls] == [
         (top_k, False, M, 2 * N, K), (1, True, M * top_k, K, N)]
-    assert emulator.calls[0]["block"] == mm.choose_block_size_m(M, top_k, E)
+    assert emulator.calls[0]["block"] == routing.choose_block_size_m(M, top_k, E)
     assert torch.all(ours[3] == 0) and torch.isfinite(ours).all()
     rel = (ours.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
     assert float(rel.max()) <= 1e-2
-    assert mm.DEFAULT_REDUCE == "fp32"  # deterministic and within 1e-2 on the H200 (see marlin_moe.DEFAULT_REDUCE)
+    assert fwd.DEFAULT_REDUCE == "fp32"  # deterministic and within 1e-2 on the H200 (see moe.forward.DEFAULT_REDUCE)
     assert [(c["atomic"], c["fp32_reduce"]) for c in emulator.calls] == [(False, True)] * 2
     # the reduce mode reaches both GEMMs; an unknown one is refused before any launch
     for reduce, atomic in (("fp32", False), ("atomic", True)):
         emulator.calls.clear()
-        assert torch.equal(mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce=reduce), ours)
+        assert torch.equal(fwd.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce=reduce), ours)
         assert [c["atomic"] for c in emulator.calls] == [atomic] * 2
     emulator.calls.clear()
     with pytest.raises(ValueError, match="reduce = 'bf16'"):
-        mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce="bf16")
+        fwd.fused_moe_marlin(x, marlin, weights, ids, 2.5, reduce="bf16")
     assert emulator.calls == []
     # a strided caller buffer (e.g. a column slice) receives the same result through the final copy
     wide = torch.full((M, 2 * K), 5.0, dtype=torch.bfloat16)
     strided = wide[:, :K]
-    assert mm.fused_moe_marlin(x, marlin, weights, ids, 2.5, out=strided) is strided
+    assert fwd.fused_moe_marlin(x, marlin, weights, ids, 2.5, out=strided) is strided
     assert torch.equal(strided, ours) and torch.all(wide[:, K:] == 5.0)
 
 
@@ -467,8 +470,8 @@ def test_repack_functions_import_in_a_fresh_process():
 
     code = r'''
 import sys, torch
-from sglang_kdtree import marlin_moe as mm
-repack, permute = mm._sglang_repack_functions()
+from sglang_kdtree.moe import weights as mw
+repack, permute = mw._sglang_repack_functions()
 assert repack.__module__.endswith("gptq_kernels"), repack.__module__
 assert permute.__module__.endswith("marlin_utils"), permute.__module__
 sys.modules["sglang.srt.hardware_backend.gpu.quantization.gptq_kernels"] = None  # now it "cannot import"
@@ -478,9 +481,9 @@ def fake(b, perm, k, n, bits):
     calls.append((tuple(b.shape), tuple(perm.shape), k, n, bits))
     return torch.full((k // 16, n * bits // 2), len(calls), dtype=b.dtype)
 jit.gptq_marlin_repack = fake
-repack, _ = mm._sglang_repack_functions()
-w = mm.random_packed_weights(3, 256, 128, seed=1)
-args = mm.marlin_repack_args(w)
+repack, _ = mw._sglang_repack_functions()
+w = mw.random_packed_weights(3, 256, 128, seed=1)
+args = mw.marlin_repack_args(w)
 out = repack(*args["w13"])
 assert tuple(out.shape) == (3, 256 // 16, 2 * 128 * 2), out.shape
 assert calls == [((32, 256), (0,), 256, 256, 4)] * 3, calls

@@ -26,8 +26,11 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_wheel_ships_every_kernel_source_and_patch(wheel):
     names = set(wheel.namelist())
-    for cu in sorted(ROOT.glob("kernels/*.cu")) + sorted(ROOT.glob("kernels/*.cuh")):
-        assert f"sglang_kdtree/_kernels/{cu.name}" in names, f"{cu.name} is missing from the wheel"
+    sources = sorted(ROOT.glob("kernels/**/*.cu")) + sorted(ROOT.glob("kernels/**/*.cuh"))
+    assert any(cu.parent.name == "moe" for cu in sources)  # kernels in subfolders are covered too
+    for cu in sources:
+        rel = cu.relative_to(ROOT / "kernels").as_posix()
+        assert f"sglang_kdtree/_kernels/{rel}" in names, f"kernels/{rel} is missing from the wheel"
     for py in sorted(ROOT.glob("patches/*.py")):
         assert f"sglang_kdtree/patches/{py.name}" in names, f"patch {py.name} is missing from the wheel"
     for py in sorted(ROOT.glob("sglang_kdtree/**/*.py")):

@@ -21,7 +21,7 @@ How (reusing ``make_tiny_models``' language, target training and drafter code):
 1. ``train`` stage (CPU or GPU, fp32): the target is fitted to the synthetic language with a *training*
    vocabulary of 128 ids: the 64 words, EOS and MASK, and 62 "filler prototypes" (ids 66..127) that are never
    a target, so training pushes their logits down in every context. The routed experts are then
-   quantized (fake-quant: each weight replaced by its INT4 group-32 value, ``marlin_moe.quantize_symmetric``)
+   quantized (fake-quant: each weight replaced by its INT4 group-32 value, ``moe.weights.quantize_symmetric``)
    and the drafter is fitted against that quantized target, with the same 128-row head. Staged to
    ``OUT_DIR/_kimi_train`` (small: fp32 at vocab 128).
 2. ``export`` stage (seconds): rows 128..163,839 of the embedding and the LM head become random convex
@@ -144,21 +144,21 @@ def pick_device(device: str | None) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------------------
-# INT4 group-32 (the reference quantizer of sglang_kdtree.marlin_moe, applied to [out, in] weights)
+# INT4 group-32 (the reference quantizer of sglang_kdtree.moe.weights, applied to [out, in] weights)
 # ---------------------------------------------------------------------------------------------------
 
 
 def quantize_rows(weight: torch.Tensor):
     """``[..., out, in]`` float -> (``weight_packed [..., out, in/8]`` int32, ``weight_scale [..., out, in/32]``
     bf16): compressed-tensors' layout (groups and packing along the input dim)."""
-    from sglang_kdtree.marlin_moe import quantize_symmetric
+    from sglang_kdtree.moe.weights import quantize_symmetric
 
     packed, scale = quantize_symmetric(weight.float().transpose(-1, -2), GROUP_SIZE, torch.bfloat16)
     return packed.transpose(-1, -2).contiguous(), scale.transpose(-1, -2).contiguous()
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    from sglang_kdtree.marlin_moe import dequantize
+    from sglang_kdtree.moe.weights import dequantize
 
     return dequantize(packed.transpose(-1, -2), scale.transpose(-1, -2), GROUP_SIZE).transpose(-1, -2)
 

@@ -13,7 +13,7 @@ asks SGLang's JIT for these modules, each ~6 minutes of nvcc on the GPU machine:
 has_inactive_prefix_count = expert_map is None`` and ``zero_inactive_output=True`` only to the second GEMM;
 ``moe_wna16_marlin_gemm`` forwards ``expert_ids_are_sorted and not is_ep``. Without expert parallelism
 (our servers) ``expert_map`` is None, hence the two specializations above. ``--which kdtree`` adds the one
-specialization ``sglang_kdtree.marlin_moe`` uses under ``SGLANG_KDTREE_MOE=marlin`` (all flags False).
+specialization ``sglang_kdtree.moe`` uses under ``SGLANG_KDTREE_MOE=marlin`` (all flags False).
 
 Usage (CPU build machine with nvcc, no GPU; nice it, it is long):
 
@@ -23,7 +23,7 @@ and on the GPU machine, before starting servers (same sglang / apache-tvm-ffi so
 
     python tests/e2e/prebuild_jit.py --seed .jitcache/sm90a
 
-Seeding runs SGLang's own ``load_jit`` through ``sglang_kdtree.marlin_moe.seed_prebuilt`` (which replaces only
+Seeding runs SGLang's own ``load_jit`` through ``sglang_kdtree.moe.jit.seed_prebuilt`` (which replaces only
 the nvcc step with a verified copy); modules that do not match are compiled normally.
 """
 
@@ -70,17 +70,16 @@ def builders(which: set[str], dtype_name: str = "bfloat16") -> list[tuple[str, o
                     lambda: _jit_moe_align_module(torch.int32, True, False, False)))
         out.append(("moe_align_single_token(inactive prefix count)", lambda: _jit_align_single_token_module(True)))
     if "kdtree" in which:
-        from sglang_kdtree import marlin_moe
+        from sglang_kdtree.moe import jit
 
-        out.append((f"moe_wna16_marlin{marlin_moe._MARLIN_SPECIALIZATION} (kdtree)",
-                     marlin_moe._marlin_module_builders(dtype_name)[1]))
+        out.append((f"moe_wna16_marlin{jit.MARLIN_SPECIALIZATION} (kdtree)", jit.marlin_module_builders(dtype_name)[1]))
     return out
 
 
 def export(dest: Path) -> list[str]:
     """Copy every built module (newest build of each module name) out of SGLang's JIT cache into ``dest`` as
-    ``<module>.so`` + ``<module>.deps.json`` (the layout ``marlin_moe.seed_prebuilt`` reads)."""
-    from sglang_kdtree.marlin_moe import jit_cache_dir
+    ``<module>.so`` + ``<module>.deps.json`` (the layout ``moe.jit.seed_prebuilt`` reads)."""
+    from sglang_kdtree.moe.jit import jit_cache_dir
 
     dest.mkdir(parents=True, exist_ok=True)
     newest: dict[str, Path] = {}
@@ -96,18 +95,10 @@ def export(dest: Path) -> list[str]:
 
 def seed(source: Path, which: set[str]) -> list[str]:
     """Seed SGLang's JIT cache from ``source`` for every module of ``which``, through
-    ``marlin_moe.seed_prebuilt`` pointed at this script's builders (it iterates over
-    ``marlin_moe._marlin_module_builders``)."""
-    from sglang_kdtree import marlin_moe
+    ``moe.jit.seed_prebuilt`` given this script's builders."""
+    from sglang_kdtree.moe import jit
 
-    original = marlin_moe._marlin_module_builders
-    # resolve the list before patching: builders("kdtree") itself calls marlin_moe._marlin_module_builders
-    chosen = [b for _, b in builders(which)]
-    marlin_moe._marlin_module_builders = lambda dtype_name="bfloat16": chosen
-    try:
-        return marlin_moe.seed_prebuilt(source)
-    finally:
-        marlin_moe._marlin_module_builders = original
+    return jit.seed_prebuilt(source, builders=[b for _, b in builders(which)])
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""GPU tests of sglang_kdtree.marlin_moe (H200): the CuPy glue kernels against their torch twins (exact
+"""GPU tests of sglang_kdtree.moe (H200): the CuPy glue kernels against their torch twins (exact
 tables, exact top-k sum, SiLU within one bf16 ulp), and the whole Marlin W4A16 path against the fp32 float
 reference (relative error <= 1e-2 over the output, <= 2e-2 per token; both reduce modes) for small shapes
 and Kimi K2.6 at TP 8 and TP 1, token counts 1..1024, routing with repeated, unused and dropped (-1)
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kdtree import marlin_moe as mm
+from sglang_kdtree.moe import forward as fwd
+from sglang_kdtree.moe import jit, launch, routing
+from sglang_kdtree.moe import reference as twin
+from sglang_kdtree.moe import weights as mw
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +108,7 @@ def _check_alignment(got, want, numel):
     assert torch.all(live[:, :-1] | ~live[:, 1:]), "a live route follows padding inside a block"
 
 
-@pytest.mark.parametrize("block", mm.BLOCK_SIZES_M)
+@pytest.mark.parametrize("block", routing.BLOCK_SIZES_M)
 @pytest.mark.parametrize(
     "M, top_k, E, kind",
     [(1, 8, 384, "random"), (7, 8, 384, "random"), (65, 8, 384, "skewed"), (130, 8, 48, "hot"),
@@ -116,26 +119,26 @@ def test_glue_moe_align_matches_reference(M, top_k, E, kind, block):
     torch = _torch()
     poison_allocator()
     ids, _ = routing(M, top_k, E, kind, seed=M * 31 + E)
-    want = mm.moe_align_reference(ids, E, block)
-    got = mm.moe_align_block_size(ids, E, block)
+    want = twin.moe_align_reference(ids, E, block)
+    got = launch.moe_align_block_size(ids, E, block)
     _check_alignment(got, want, ids.numel())
-    got64 = mm.moe_align_block_size(ids.to(torch.int64), E, block)
+    got64 = launch.moe_align_block_size(ids.to(torch.int64), E, block)
     _check_alignment(got64, want, ids.numel())
 
 
 def test_glue_moe_align_all_dropped_and_bad_ids():
     torch = _torch()
     ids = torch.full((5, 8), -1, dtype=torch.int32, device="cuda")
-    got = mm.moe_align_block_size(ids, 16, 16)
+    got = launch.moe_align_block_size(ids, 16, 16)
     assert got.num_tokens_post_padded.tolist() == [0, 0] and int(got.errors[0]) == 0
     ids[1, 3] = 16  # == num_experts
     ids[2, 0] = 3
-    got = mm.moe_align_block_size(ids, 16, 16)
-    assert int(got.errors[0]) == mm.ERR_EXPERT_ID
+    got = launch.moe_align_block_size(ids, 16, 16)
+    assert int(got.errors[0]) == routing.ERR_EXPERT_ID
     assert got.num_tokens_post_padded.tolist() == [16, 0]
     assert got.sorted_token_ids[:16].tolist() == [16] + [40] * 15
     with pytest.raises(ValueError, match="dropped"):
-        mm.raise_on_route_error(got.errors)
+        routing.raise_on_route_error(got.errors)
 
 
 @pytest.mark.parametrize("rows, n", [(1, 8), (8, 256), (1000, 2048), (4096, 256), (3, 1024)])
@@ -146,8 +149,8 @@ def test_glue_silu_and_mul_within_one_ulp(rows, n):
     g.manual_seed(rows + n)
     x = (torch.randn((rows, 2 * n), device="cuda", generator=g) * 6).to(torch.bfloat16)
     x[0, :2] = torch.tensor([-120.0, 90.0])  # saturating exp in both directions
-    got = mm.silu_and_mul(x)
-    want = mm.silu_and_mul_reference(x)
+    got = launch.silu_and_mul(x)
+    want = twin.silu_and_mul_reference(x)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     # |got - want| <= one bf16 ulp of want (expf vs torch's silu may round the last fp32 bit differently)
     ulp = torch.where(want == 0, torch.full_like(want.float(), 2.0**-133),
@@ -168,12 +171,12 @@ def test_glue_moe_topk_sum_is_exact(M, top_k, K):
     g.manual_seed(K)
     routed = torch.randn((M * top_k, K), device="cuda", generator=g).to(torch.bfloat16)
     for factor in (1.0, 2.827):
-        got = mm.moe_topk_sum(routed, ids, E, factor)
-        want = mm.moe_topk_sum_reference(routed, ids, E, factor)
+        got = launch.moe_topk_sum(routed, ids, E, factor)
+        want = twin.moe_topk_sum_reference(routed, ids, E, factor)
         assert torch.equal(got, want)
     out = torch.empty((M, K), dtype=torch.bfloat16, device="cuda")
-    assert mm.moe_topk_sum(routed, ids.to(torch.int64), E, 1.5, out=out) is out
-    assert torch.equal(out, mm.moe_topk_sum_reference(routed, ids, E, 1.5))
+    assert launch.moe_topk_sum(routed, ids.to(torch.int64), E, 1.5, out=out) is out
+    assert torch.equal(out, twin.moe_topk_sum_reference(routed, ids, E, 1.5))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -183,7 +186,7 @@ def test_glue_moe_topk_sum_is_exact(M, top_k, K):
 
 @pytest.fixture(scope="module")
 def marlin_ready():
-    seconds = mm.ensure_marlin_kernels("bfloat16")
+    seconds = jit.ensure_marlin_kernels("bfloat16")
     print(f"Marlin MoE kernels ready in {seconds:.1f} s")
     return seconds
 
@@ -197,8 +200,8 @@ def weights_for(E, K, N):
         if E * K * N > 10**9 or any(e * k * n > 10**9 for e, k, n in _WEIGHTS):
             _WEIGHTS.clear()  # the TP 1 experts (~17 GB with their Marlin copy) are kept alone
             _torch().cuda.empty_cache()
-        packed = mm.random_packed_weights(E, K, N, device="cuda", seed=E + K + N)
-        _WEIGHTS[(E, K, N)] = (packed, mm.repack_for_marlin(packed))
+        packed = mw.random_packed_weights(E, K, N, device="cuda", seed=E + K + N)
+        _WEIGHTS[(E, K, N)] = (packed, mw.repack_for_marlin(packed))
     return _WEIGHTS[(E, K, N)]
 
 
@@ -213,8 +216,8 @@ def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None, reduce=None)
     x = torch.randn((M, K), device="cuda", generator=g).to(torch.bfloat16)
     poison_allocator()
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ours = mm.fused_moe_marlin(x, marlin, weights, ids, factor, errors=errors, reduce=reduce)
-    ref = mm.fused_moe_reference(x, packed, weights, ids, factor)
+    ours = fwd.fused_moe_marlin(x, marlin, weights, ids, factor, errors=errors, reduce=reduce)
+    ref = twin.fused_moe_reference(x, packed, weights, ids, factor)
     assert int(errors[0]) == 0
     assert ours.shape == (M, K) and ours.dtype == torch.bfloat16
     assert torch.isfinite(ours).all()
@@ -222,21 +225,21 @@ def run_case(E, K, N, M, top_k, kind, factor=2.827, ids_dtype=None, reduce=None)
     assert rel.numel() == 0 or float(rel.max()) <= TOKEN_REL_TOL, f"max per-token rel error {float(rel.max()):.3e}"
     total = float((ours.float() - ref).norm() / ref.norm()) if float(ref.norm()) > 0 else 0.0
     bar = ATOMIC_REL_TOL if reduce == "atomic" else REL_TOL
-    assert total <= bar, f"rel error {total:.3e} ({reduce or mm.DEFAULT_REDUCE} reduce)"
+    assert total <= bar, f"rel error {total:.3e} ({reduce or fwd.DEFAULT_REDUCE} reduce)"
     return ours, ref
 
 
 @pytest.mark.parametrize("M", [1, 2, 8, 33, 65, 130, 520, 1024])
 @pytest.mark.parametrize("kind", ["random", "hot", "padded", "repeat"])
 @pytest.mark.parametrize("E, K, N, top_k", [(8, 256, 128, 2), (16, 512, 128, 4), (64, 1024, 256, 8)])
-@pytest.mark.parametrize("reduce", mm.REDUCE_MODES)
+@pytest.mark.parametrize("reduce", fwd.REDUCE_MODES)
 def test_marlin_small_shapes(marlin_ready, E, K, N, top_k, M, kind, reduce):
     run_case(E, K, N, M, top_k, kind, reduce=reduce)
 
 
 @pytest.mark.parametrize("M, kind", [(1, "random"), (8, "random"), (32, "skewed"), (65, "random"),
                                      (130, "padded"), (260, "random"), (520, "hot"), (1024, "random")])
-@pytest.mark.parametrize("reduce", mm.REDUCE_MODES)
+@pytest.mark.parametrize("reduce", fwd.REDUCE_MODES)
 def test_marlin_kimi_k26_tp8(marlin_ready, M, kind, reduce):
     run_case(384, 7168, 256, M, 8, kind, reduce=reduce)
 
@@ -253,9 +256,9 @@ def test_marlin_int64_ids_out_buffer_and_empty(marlin_ready):
     ids, weights = routing(5, 8, 64, "random", seed=3)
     x = torch.randn((5, 1024), device="cuda").to(torch.bfloat16)
     out = torch.full((5, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
-    assert mm.fused_moe_marlin(x, marlin, weights, ids, 1.0, out=out) is out
-    assert float(rel_errors(out, mm.fused_moe_reference(x, packed, weights, ids)).max()) <= REL_TOL
-    empty = mm.fused_moe_marlin(x[:0], marlin, weights[:0], ids[:0])
+    assert fwd.fused_moe_marlin(x, marlin, weights, ids, 1.0, out=out) is out
+    assert float(rel_errors(out, twin.fused_moe_reference(x, packed, weights, ids)).max()) <= REL_TOL
+    empty = fwd.fused_moe_marlin(x[:0], marlin, weights[:0], ids[:0])
     assert empty.shape == (0, 1024)
 
 
@@ -267,11 +270,11 @@ def test_marlin_out_of_range_id_is_flagged_and_dropped(marlin_ready):
     bad = ids.clone()
     bad[1, 2] = 64
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ours = mm.fused_moe_marlin(x, marlin, weights, bad, 1.0, errors=errors)
-    assert int(errors[0]) == mm.ERR_EXPERT_ID
+    ours = fwd.fused_moe_marlin(x, marlin, weights, bad, 1.0, errors=errors)
+    assert int(errors[0]) == routing.ERR_EXPERT_ID
     dropped = ids.clone()
     dropped[1, 2] = -1
-    assert float(rel_errors(ours, mm.fused_moe_reference(x, packed, weights, dropped)).max()) <= REL_TOL
+    assert float(rel_errors(ours, twin.fused_moe_reference(x, packed, weights, dropped)).max()) <= REL_TOL
 
 
 def test_marlin_cuda_graph_replay(marlin_ready):
@@ -281,14 +284,14 @@ def test_marlin_cuda_graph_replay(marlin_ready):
     M = 65
     ids, weights = routing(M, 8, 384, "random", seed=10)
     x = torch.randn((M, 7168), device="cuda").to(torch.bfloat16)
-    mm.fused_moe_marlin(x, marlin, weights, ids, 2.827)  # warm: NVRTC and JIT loads happen outside capture
+    fwd.fused_moe_marlin(x, marlin, weights, ids, 2.827)  # warm: NVRTC and JIT loads happen outside capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mm.fused_moe_marlin(x, marlin, weights, ids, 2.827)
+        fwd.fused_moe_marlin(x, marlin, weights, ids, 2.827)
         with torch.cuda.graph(graph, stream=stream):
-            out = mm.fused_moe_marlin(x, marlin, weights, ids, 2.827)
+            out = fwd.fused_moe_marlin(x, marlin, weights, ids, 2.827)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (11, 12):
         new_ids, new_weights = routing(M, 8, 384, "padded" if seed == 12 else "random", seed=seed)
@@ -297,7 +300,7 @@ def test_marlin_cuda_graph_replay(marlin_ready):
         x.copy_(torch.randn((M, 7168), device="cuda").to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        ref = mm.fused_moe_reference(x, packed, weights, ids, 2.827)
+        ref = twin.fused_moe_reference(x, packed, weights, ids, 2.827)
         assert float(rel_errors(out, ref).max()) <= REL_TOL
 
 
@@ -306,10 +309,10 @@ def test_marlin_default_reduce_is_deterministic(marlin_ready, M):
     """The default (fp32) reduce adds K-slices in a fixed order: repeated calls are bit-identical, so greedy
     verify sees the same logits every time (the "atomic" mode does not promise this)."""
     torch = _torch()
-    assert mm.DEFAULT_REDUCE == "fp32"
+    assert fwd.DEFAULT_REDUCE == "fp32"
     packed, marlin = weights_for(384, 7168, 256)
     ids, weights = routing(M, 8, 384, "random", seed=M + 99)
     x = torch.randn((M, 7168), device="cuda").to(torch.bfloat16)
-    first = mm.fused_moe_marlin(x, marlin, weights, ids, 2.827)
+    first = fwd.fused_moe_marlin(x, marlin, weights, ids, 2.827)
     for _ in range(20):
-        assert torch.equal(mm.fused_moe_marlin(x, marlin, weights, ids, 2.827), first)
+        assert torch.equal(fwd.fused_moe_marlin(x, marlin, weights, ids, 2.827), first)

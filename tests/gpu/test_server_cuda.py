@@ -120,4 +120,4 @@ def test_kimi_fused_mla_and_marlin_ran(comparison, model, mode):
     if MODES[mode]:
         assert rec["mla_launches_during_graph_rounds"] > 0, "no MLA launch inside the replayed verify graphs"
     if table[model].env.get("SGLANG_KDTREE_MOE") == "marlin":
-        assert rec["marlin_routed"] > 0, "no MoE call was routed to sglang_kdtree.marlin_moe"
+        assert rec["marlin_routed"] > 0, "no MoE call was routed to sglang_kdtree.moe"

@@ -1,4 +1,4 @@
-// Top-k routing -> Marlin MoE block tables (twin: sglang_kdtree.marlin_moe.moe_align_reference).
+// Top-k routing -> Marlin MoE block tables (twin: sglang_kdtree.moe.reference.moe_align_reference).
 //
 // Marlin's MoE GEMM walks "blocks" of block_size rows that all use one expert. Input: topk_ids [numel]
 // (numel = tokens * top_k, row-major [tokens, top_k]), each a local expert id. Output, for the experts
@@ -14,7 +14,7 @@
 //
 // Negative ids are SGLang's "no expert" (padded tokens under CUDA graphs): the route is dropped and its
 // output row is never written. An id >= num_experts is a caller bug: the route is dropped and bit 512 is
-// OR-ed into errors[0] (sglang_kdtree.marlin_moe.ERR_EXPERT_ID); with fresh_errors the kernel owns the
+// OR-ed into errors[0] (sglang_kdtree.moe.routing.ERR_EXPERT_ID); with fresh_errors the kernel owns the
 // flag and writes it whole (0 or 512), which saves the caller a zero-fill launch.
 //
 // One CTA does everything: routes are at most a few thousand at verify widths and ~100k in a prefill

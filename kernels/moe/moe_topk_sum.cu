@@ -1,4 +1,4 @@
-// Top-k combine after Marlin MoE's second GEMM (twin: sglang_kdtree.marlin_moe.moe_topk_sum_reference).
+// Top-k combine after Marlin MoE's second GEMM (twin: sglang_kdtree.moe.reference.moe_topk_sum_reference).
 //
 // routed [tokens * top_k, K] bf16 holds each route's expert output, already multiplied by its top-k weight
 // (the second GEMM runs with mul_topk_weights). out [tokens, K] bf16 =
@@ -7,20 +7,10 @@
 // outside [0, num_experts) were dropped by moe_align.cu: their rows were never written, so they are
 // skipped here (a token with no live route gets zeros).
 //
-// No includes (see silu_and_mul.cu); each thread owns 8 consecutive columns of one token (16-byte loads),
-// K % 8 == 0 is checked by the Python launcher.
+// bf16 travels as its 16-bit pattern (helpers in common.cuh); each thread owns 8 consecutive columns of one
+// token (16-byte loads), K % 8 == 0 is checked by the Python launcher.
 
-typedef unsigned short bf16_t;
-typedef long long i64;
-
-__device__ __forceinline__ float bf16_lo(unsigned pair) { return __uint_as_float(pair << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned pair) { return __uint_as_float(pair & 0xffff0000u); }
-
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+#include "moe/common.cuh"
 
 template <typename Id>
 __device__ void moe_topk_sum_impl(const bf16_t* __restrict__ routed, const Id* __restrict__ topk_ids,

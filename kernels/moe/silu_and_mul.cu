@@ -1,26 +1,15 @@
-// SiLU-and-mul between Marlin MoE's two GEMMs (twin: sglang_kdtree.marlin_moe.silu_and_mul_reference).
+// SiLU-and-mul between Marlin MoE's two GEMMs (twin: sglang_kdtree.moe.reference.silu_and_mul_reference).
 //
 // gate_up [rows, 2N] bf16 holds the gate projection in columns [0, N) and the up projection in [N, 2N)
 // (SGLang's w13 = gate | up, not interleaved); out [rows, N] bf16 = silu(gate) * up, computed in fp32 and
 // rounded once to nearest even, like SGLang's silu_and_mul. Rows of dropped routes hold garbage from the
 // first GEMM; they are transformed like any row and never read by the second GEMM.
 //
-// No includes: NVRTC's default include path has no cuda_bf16.h everywhere, so bf16 travels as its 16-bit
-// pattern. Each thread moves 8 values (one 16-byte load of gate, one of up, one store): the op is pure
-// bandwidth, and N % 8 == 0 with 16-byte aligned rows is checked by the Python launcher.
+// bf16 travels as its 16-bit pattern (helpers in common.cuh). Each thread moves 8 values (one 16-byte load
+// of gate, one of up, one store): the op is pure bandwidth, and N % 8 == 0 with 16-byte aligned rows is
+// checked by the Python launcher.
 
-typedef unsigned short bf16_t;
-typedef long long i64;
-
-__device__ __forceinline__ float bf16_lo(unsigned pair) { return __uint_as_float(pair << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned pair) { return __uint_as_float(pair & 0xffff0000u); }
-
-// Two floats -> packed bf16x2, round to nearest even (sm_80+); lo lands in the low half (lower address).
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+#include "moe/common.cuh"
 
 // expf, not __expf: the fast intrinsic is off by a few ulp, which would show in the bf16 rounding.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
