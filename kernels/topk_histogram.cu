@@ -4,7 +4,7 @@
 // Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Two
 // launches, both on fixed preallocated workspaces (graph-capturable):
 //
-//   hist_pass   grid (R * C), 256 threads, 8192 columns per block, 16-byte loads. Per thread its largest and
+//   hist_pass   grid (C, R), 256 threads, 8192 columns per block, 16-byte loads. Per thread its largest and
 //               smallest value (NaN-propagating: the max screens for NaN / +inf); each warp sorts its 32
 //               thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps' ceil(K/8)-th
 //               largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th largest
@@ -12,8 +12,8 @@
 //               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read),
 //               which keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global
 //               histogram with one atomic per nonzero bin. Also the chunk's (max, sum exp(x - max)) for the
-//               logsumexp over every column (the exact __expf; its subnormal fix-up skipped when no column of
-//               the thread needs it), per thread the largest bin among its 32 columns (`group_bin`, 0 when
+//               logsumexp over every column (ex2.approx of one FMA, its common factor taken out in float64: see
+//               exp_sum_mask; the subnormal fix-up skipped when no column of the thread needs it), per thread the largest bin among its 32 columns (`group_bin`, 0 when
 //               below c), so the select can visit only the groups with something to give, and c (`chunk_cut`).
 //   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64; warp 0 alone when C <= 32);
 //               the boundary bin b* where the row histogram's count from the top reaches K (every winner has
@@ -55,14 +55,15 @@ __device__ __forceinline__ float elem_float(const u32* w, int e, unsigned short)
 __device__ __forceinline__ float elem_float(const u32* w, int e, float) { return __uint_as_float(w[e]); }
 
 // Loads group t of a chunk (thread t's columns; see group_col) into w; columns >= n read as 0.
-template <typename T, int VEC>
+// FULL: the chunk has all H_COLS columns (no bounds checks).
+template <typename T, int VEC, bool FULL = false>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words], int t) {
   constexpr int NV = H_ELEMS / VEC;
   constexpr int WPV = VEC * (int)sizeof(T) / 4;  // words per vector load (VEC > 1)
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int col0 = (j * H_THREADS + t) * VEC;
-    if (VEC > 1 && col0 + VEC <= n) {
+    if (VEC > 1 && (FULL || col0 + VEC <= n)) {
       const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + col0));  // launcher guarantees alignment
       w[j * WPV] = q.x;
       w[j * WPV + 1] = q.y;
@@ -158,13 +159,16 @@ __device__ __forceinline__ float ex2_approx(float y) {
   return d;
 }
 
-// Sum of exp(x - M) over the thread's columns: x - M correctly rounded, exp as __expf (ex2.approx of
-// (x - M) * log2(e); relative error <= (2 + 1.17 |x - M|) ulp, so the terms that carry the sum are within a
-// few ulp), groups of 4 summed in fp32, groups summed in float64 (the caller drops the sum when M is -inf).
-// Also the bit mask of the thread's columns with value >= cf (element e: bit e), which the histogram counts.
-template <typename T, int VEC, bool FULL, bool FTZ>
+// Sum of exp(x - M) over the thread's columns, as 2^(x log2(e) - ML) with ML = M log2(e) rounded to fp32: the
+// exponent is one FMA (correctly rounded), the power ex2.approx (relative error 2 ulp), groups of 4 summed in fp32,
+// groups summed in float64. Every term carries the same factor 2^(M log2(e) - ML), which the block takes out of
+// the chunk's sum once, exactly, in float64 (chunk_exp_scale), so the sum is exp(x - M)'s within a few ulp per
+// term. Also the bit mask of the thread's columns with value >= cf (element e: bit e), which the histogram
+// counts. The caller drops the sum when M is -inf. !FMA (M log2(e) beyond fp32's range, or M not finite): the
+// exponent is (x - M) * log2(e), each step rounded, and no factor.
+template <typename T, int VEC, bool FULL, bool FTZ, bool FMA>
 __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
-                                               u32& mask) {
+                                               float ML, u32& mask) {
   double s = 0.0;
 #pragma unroll
   for (int g = 0; g < H_ELEMS; g += 4) {
@@ -174,19 +178,66 @@ __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words
       if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
         const float x = elem_float(raw, e, T());
         if (x >= cf) mask |= 1u << e;
-        q = __fadd_rn(q, ex2_approx<FTZ>(__fmul_rn(__fsub_rn(x, M), LOG2E_F)));
+        const float y = FMA ? __fmaf_rn(x, LOG2E_F, -ML) : __fmul_rn(__fsub_rn(x, M), LOG2E_F);
+        q = __fadd_rn(q, ex2_approx<FTZ>(y));
       }
     s = __dadd_rn(s, (double)q);
   }
   return s;
 }
 
+// bf16, full chunk: the same sum, and the mask from packed compares (set.ge.bf16x2: one per two columns). Mask
+// layout PACKED_MASK: word i of the thread's raw values holds elements 2i (low half) and 2i + 1 (high half);
+// element 2i is bit i, element 2i + 1 bit 16 + i (mask_elem decodes).
+template <bool FTZ>
+__device__ __forceinline__ double exp_sum_mask_bf16_full(const u32 (&raw)[Packed<unsigned short>::words], u32 cf2,
+                                                         float ML, u32& mask) {
+  double s = 0.0;
+#pragma unroll
+  for (int g = 0; g < H_ELEMS / 2; g += 2) {
+    float t[4];
+#pragma unroll
+    for (int i = g; i < g + 2; ++i) {
+      u32 ge;
+      asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(ge) : "r"(raw[i]), "r"(cf2));
+      mask |= (ge & 0x00010001u) << i;
+      t[2 * (i - g)] = ex2_approx<FTZ>(__fmaf_rn(__uint_as_float(raw[i] << 16), LOG2E_F, -ML));
+      t[2 * (i - g) + 1] = ex2_approx<FTZ>(__fmaf_rn(__uint_as_float(raw[i] & 0xffff0000u), LOG2E_F, -ML));
+    }
+    const float q = __fadd_rn(__fadd_rn(__fadd_rn(t[0], t[1]), t[2]), t[3]);  // the generic path's order
+    s = __dadd_rn(s, (double)q);
+  }
+  return s;
+}
+
+// Element of a PACKED_MASK bit (see exp_sum_mask_bf16_full).
+__device__ __forceinline__ int mask_elem(int bit) { return bit < 16 ? 2 * bit : 2 * (bit - 16) + 1; }
+
+// ex2.approx.ftz gives the same value as without ftz when every exponent is >= -126 (monotone in x: checked
+// on the thread's smallest value; NaN / -inf: the exact one). fma: ML = M log2(e) is a finite fp32 (the
+// exponent's form above; block-uniform).
 template <typename T, int VEC, bool FULL>
 __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
-                                               float tmin, u32& mask) {
-  // every column's exponent >= -126 (monotone in x): the fast exp is the same value (NaN / -inf: the exact one)
-  if (__fmul_rn(__fsub_rn(tmin, M), LOG2E_F) >= -126.f) return exp_sum_mask<T, VEC, FULL, true>(raw, n, cf, M, mask);
-  return exp_sum_mask<T, VEC, FULL, false>(raw, n, cf, M, mask);
+                                               float ML, bool fma, float tmin, u32& mask) {
+  if (!fma) {
+    if (__fmul_rn(__fsub_rn(tmin, M), LOG2E_F) >= -126.f)
+      return exp_sum_mask<T, VEC, FULL, true, false>(raw, n, cf, M, ML, mask);
+    return exp_sum_mask<T, VEC, FULL, false, false>(raw, n, cf, M, ML, mask);
+  }
+  const bool ftz = __fmaf_rn(tmin, LOG2E_F, -ML) >= -126.f;
+  if constexpr (FULL && sizeof(T) == 2) {
+    const u32 c = __float_as_uint(cf) >> 16;  // cf is a bf16 value (a thread maximum's key, or +-inf)
+    if (ftz) return exp_sum_mask_bf16_full<true>(raw, c | (c << 16), ML, mask);
+    return exp_sum_mask_bf16_full<false>(raw, c | (c << 16), ML, mask);
+  }
+  if (ftz) return exp_sum_mask<T, VEC, FULL, true, true>(raw, n, cf, M, ML, mask);
+  return exp_sum_mask<T, VEC, FULL, false, true>(raw, n, cf, M, ML, mask);
+}
+
+// The factor 2^(M log2(e) - ML) that turns a sum of 2^(x log2(e) - ML) into sum exp(x - M): M * LOG2E_F is exact
+// in float64 (two 24-bit significands), the difference is exact, exp2 rounds once.
+__device__ __forceinline__ double chunk_exp_scale(float M, float ML) {
+  return exp2(__dsub_rn(__dmul_rn((double)M, (double)LOG2E_F), (double)ML));
 }
 
 template <typename T, int VEC>
@@ -198,14 +249,17 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   __shared__ u32 sorted[H_THREADS];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int r = blockIdx.x / C, c = blockIdx.x % C;
+  const int r = blockIdx.y, c = blockIdx.x;  // grid (C, R)
+  const long long blk = (long long)r * C + c;  // the chunk's index in the per-chunk outputs
   const int start = c * H_COLS;
   const int n = min(H_COLS, V - start);
   const int kout = min(K, V);
   const T* row = logits + (long long)r * row_stride + start;
 
   u32 raw[Packed<T>::words];
-  load_group<T, VEC>(row, n, raw, tid);  // issued before the zeroing so the loads are in flight meanwhile
+  // issued before the zeroing so the loads are in flight meanwhile
+  if (n == H_COLS) load_group<T, VEC, true>(row, n, raw, tid);
+  else load_group<T, VEC>(row, n, raw, tid);
   uint4* h4 = reinterpret_cast<uint4*>(hist);
   for (int b = tid; b < H_BINS / 4; b += H_THREADS) h4[b] = make_uint4(0u, 0u, 0u, 0u);
 
@@ -256,15 +310,18 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   const float cf = key_float(cut);
   const float M = key_float(bmax);  // -inf for a chunk of -inf only; NaN / +inf only with the error flag set
 
-  group_bin[(long long)blockIdx.x * H_THREADS + tid] =
+  group_bin[blk * H_THREADS + tid] =
       kmax >= cut ? (unsigned short)(kmax >> H_SHIFT) : 0;  // 0 for a group with nothing >= the bound
   u32 mask = 0;
-  double s = n == H_COLS ? exp_sum_mask<T, VEC, true>(raw, n, cf, M, tmin, mask)
-                         : exp_sum_mask<T, VEC, false>(raw, n, cf, M, tmin, mask);
+  const float ML = __fmul_rn(M, LOG2E_F);
+  const bool fma = fabsf(ML) <= 3.4028234663852886e38f;  // finite: the FMA form (exp_sum_mask)
+  const bool packed = n == H_COLS && sizeof(T) == 2 && fma;  // the mask's layout (PACKED_MASK or element order)
+  double s = n == H_COLS ? exp_sum_mask<T, VEC, true>(raw, n, cf, M, ML, fma, tmin, mask)
+                         : exp_sum_mask<T, VEC, false>(raw, n, cf, M, ML, fma, tmin, mask);
   if (M == -INFINITY) s = 0.0;
   // the few columns >= the bound into the block histogram (re-read: an L1 hit, no dynamic register index)
   while (mask) {
-    const int e = __ffs(mask) - 1;
+    const int e = packed ? mask_elem(__ffs(mask) - 1) : __ffs(mask) - 1;
     mask &= mask - 1;
     atomicAdd(hist + (float_key(to_float(__ldg(row + group_col<VEC>(e, tid)))) >> H_SHIFT), 1u);
   }
@@ -283,9 +340,9 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     double t = 0.0;
 #pragma unroll
     for (int w = 0; w < H_THREADS / 32; ++w) t = __dadd_rn(t, dscratch[w]);
-    chunk_max[blockIdx.x] = M;
-    chunk_sum[blockIdx.x] = t;
-    chunk_cut[blockIdx.x] = cut;
+    chunk_max[blk] = M;
+    chunk_sum[blk] = fma ? __dmul_rn(t, chunk_exp_scale(M, ML)) : t;
+    chunk_cut[blk] = cut;
   }
 }
 

@@ -209,6 +209,8 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
         raise ValueError(f"rows {rows} x chunks {chunks} exceeds the 1-D grid; split the batch")
     row_stride = flat.stride(0) if rows > 1 else v
     if workspace.impl == "histogram":
+        if rows > 65535:  # hist_pass's grid is (chunks, rows)
+            raise ValueError(f"rows {rows} exceeds the histogram top-K's 65535 rows per call; split the batch")
         _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, workspace, out_vals, out_ids, out_lse,
                        error_flag)
         return out_vals, out_ids, out_lse, error_flag
@@ -246,7 +248,7 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     suffix = ("bf16_v" if bf16 else "f32_v") + (str(vec) if aligned else "1")
     with runtime.current_stream():
         mod.get_function("hist_pass_" + suffix)(
-            (rows * chunks,), (HIST_THREADS,),
+            (chunks, rows), (HIST_THREADS,),
             (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
              _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(error_flag)),
         )
