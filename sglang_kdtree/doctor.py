@@ -140,7 +140,7 @@ def check_package(report: Report) -> bool:
     from sglang_kdtree.gpu.runtime import kernels_dir
 
     kdir = kernels_dir()
-    if not sorted(kdir.glob("*.cu")):
+    if not sorted(kdir.rglob("*.cu")):
         report.fail(
             f"no kernel sources (*.cu) in {kdir}",
             "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
@@ -366,7 +366,7 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
     from sglang_kdtree.gpu import runtime
 
     kdir = runtime.kernels_dir()
-    sources = sorted(p.name for p in kdir.glob("*.cu"))
+    sources = sorted(p.relative_to(kdir).as_posix() for p in kdir.rglob("*.cu"))  # kernels/moe/ too
     if not sources:
         return False  # reported by check_package
     t0 = time.perf_counter()
