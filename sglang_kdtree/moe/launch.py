@@ -26,6 +26,19 @@ def _require_16b(name, t):
                          "pass a fresh or .clone()d tensor")
 
 
+def _bf16_out(out, rows: int, cols: int, like):
+    """The glue kernels' output: ``out``, or a new ``[rows, cols]`` tensor like ``like``; checked to be a
+    contiguous bf16 CUDA tensor of that shape."""
+    import torch
+
+    if out is None:
+        out = torch.empty((rows, cols), dtype=like.dtype, device=like.device)
+    _require_cuda("out", out, (torch.bfloat16,))
+    if tuple(out.shape) != (rows, cols) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{rows}, {cols}] tensor, got {tuple(out.shape)}")
+    return out
+
+
 def _grid(work_items: int, threads: int) -> int:
     return max(1, min(_MAX_BLOCKS * 4, -(-work_items // threads)))
 
@@ -83,11 +96,7 @@ def silu_and_mul(gate_up, out=None):
         raise ValueError(f"gate_up must be [rows, 2N] with N % 8 == 0, got shape {tuple(gate_up.shape)}")
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = gate_up.contiguous()
-    if out is None:
-        out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-    _require_cuda("out", out, (torch.bfloat16,))
-    if tuple(out.shape) != (rows, n) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{rows}, {n}] tensor, got {tuple(out.shape)}")
+    out = _bf16_out(out, rows, n, gate_up)
     _require_16b("gate_up", gate_up)
     _require_16b("out", out)
     if rows == 0:
@@ -111,11 +120,7 @@ def moe_topk_sum(routed, topk_ids, num_experts: int, routed_scaling_factor: floa
         raise ValueError(f"routed must be [{M * top_k}, K] with K % 8 == 0, got shape {tuple(routed.shape)}")
     K = routed.shape[1]
     routed, ids = routed.contiguous(), topk_ids.contiguous()
-    if out is None:
-        out = torch.empty((M, K), dtype=routed.dtype, device=routed.device)
-    _require_cuda("out", out, (torch.bfloat16,))
-    if tuple(out.shape) != (M, K) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{M}, {K}] tensor, got {tuple(out.shape)}")
+    out = _bf16_out(out, M, K, routed)
     _require_16b("routed", routed)
     _require_16b("out", out)
     if M == 0:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from sglang_kdtree.moe import forward as fwd
-from sglang_kdtree.moe import jit, launch, routing
+from sglang_kdtree.moe import jit, launch
 from sglang_kdtree.moe import reference as twin
+from sglang_kdtree.moe import routing as moe_routing
 from sglang_kdtree.moe import weights as mw
 
 pytestmark = pytest.mark.gpu
@@ -108,7 +109,7 @@ def _check_alignment(got, want, numel):
     assert torch.all(live[:, :-1] | ~live[:, 1:]), "a live route follows padding inside a block"
 
 
-@pytest.mark.parametrize("block", routing.BLOCK_SIZES_M)
+@pytest.mark.parametrize("block", moe_routing.BLOCK_SIZES_M)
 @pytest.mark.parametrize(
     "M, top_k, E, kind",
     [(1, 8, 384, "random"), (7, 8, 384, "random"), (65, 8, 384, "skewed"), (130, 8, 48, "hot"),
@@ -134,11 +135,11 @@ def test_glue_moe_align_all_dropped_and_bad_ids():
     ids[1, 3] = 16  # == num_experts
     ids[2, 0] = 3
     got = launch.moe_align_block_size(ids, 16, 16)
-    assert int(got.errors[0]) == routing.ERR_EXPERT_ID
+    assert int(got.errors[0]) == moe_routing.ERR_EXPERT_ID
     assert got.num_tokens_post_padded.tolist() == [16, 0]
     assert got.sorted_token_ids[:16].tolist() == [16] + [40] * 15
     with pytest.raises(ValueError, match="dropped"):
-        routing.raise_on_route_error(got.errors)
+        moe_routing.raise_on_route_error(got.errors)
 
 
 @pytest.mark.parametrize("rows, n", [(1, 8), (8, 256), (1000, 2048), (4096, 256), (3, 1024)])
@@ -271,7 +272,7 @@ def test_marlin_out_of_range_id_is_flagged_and_dropped(marlin_ready):
     bad[1, 2] = 64
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
     ours = fwd.fused_moe_marlin(x, marlin, weights, bad, 1.0, errors=errors)
-    assert int(errors[0]) == routing.ERR_EXPERT_ID
+    assert int(errors[0]) == moe_routing.ERR_EXPERT_ID
     dropped = ids.clone()
     dropped[1, 2] = -1
     assert float(rel_errors(ours, twin.fused_moe_reference(x, packed, weights, dropped)).max()) <= REL_TOL
