@@ -3,9 +3,9 @@
     python tests/e2e/dump_outputs.py OUT.json        # then diff two dumps (issue 14's "must show")
 
 For the tiny Llama and DeepSeek-V3 targets: the e2e suite's 18 mixed-length prompts, greedy (24 tokens,
-concurrent) and seeded at T = 1.5 with top-p 0.9 / top-k 20 / min-p 0.05 (16 tokens, concurrent), with
-output ids and the per-token output logprobs. Not a test: it asserts nothing; the diff of two dumps is the
-check.
+concurrent) and seeded at T = 1.5 with top-p 0.9 / top-k 20 / min-p 0.05 (16 tokens, concurrent): the output
+ids. (Not the logprobs: their last bits depend on how the scheduler batched the concurrent requests, about
+1e-7 between two runs of the same code.) Not a test: it asserts nothing; the diff of two dumps is the check.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from test_server_kdtree import PROMPTS, _kdtree_args  # noqa: E402
 
 def _run(server, payloads):
     with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
-        return [{"output_ids": r["output_ids"],
-                 "logprobs": [t[0] for t in r["meta_info"].get("output_token_logprobs", [])]}
-                for r in pool.map(server.generate, payloads)]
+        return [r["output_ids"] for r in pool.map(server.generate, payloads)]
 
 
 def main(out: str) -> None:
@@ -38,9 +36,9 @@ def main(out: str) -> None:
         server = start_server(models / name, logs, extra=_kdtree_args(models, name), name=f"kdtree-{name}")
         try:
             server.wait_ready()
-            greedy = [{"input_ids": p, "return_logprob": True,
+            greedy = [{"input_ids": p,
                        "sampling_params": {"max_new_tokens": 24, "temperature": 0}} for p in PROMPTS]
-            seeded = [{"input_ids": p, "return_logprob": True,
+            seeded = [{"input_ids": p,
                        "sampling_params": {"max_new_tokens": 16, "temperature": 1.5, "top_p": 0.9, "top_k": 20,
                                            "min_p": 0.05, "sampling_seed": 1234 + i, "ignore_eos": True}}
                       for i, p in enumerate(PROMPTS)]
