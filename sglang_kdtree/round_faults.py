@@ -1,6 +1,10 @@
-"""An allocation failure inside a KDTREE decode round, contained (``KDTreeWorker._contained_round``).
+"""Faults of a KDTREE decode round, contained so that only the requests they hit end.
 
-Policy:
+**Bad values** (NaN / +inf logits, an invalid path or slot): no backend raises mid-round (``contract``). At the
+round's end ``end_faulty_requests`` reads the backend's device error flags once and ends each flagged request
+with ``FINISH_ABORT`` naming the fault (HTTP 500); the rest of the batch goes on.
+
+**Allocation failures** (``contained_round``, around ``KDTreeWorker._tree_round``). Policy:
 
 1. A round that raises ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class) or
    ``MemoryError`` is run once more, after the batch's fields the round edits are put back
@@ -27,19 +31,29 @@ collectives and cannot retry with it; the exception propagates as before), an al
 library reports as another error (e.g. a cuBLAS ``CUBLAS_STATUS_ALLOC_FAILED`` RuntimeError), and one in the
 few small allocations of the abort result itself.
 
-Test-only fault injection (``KDTREE_TEST_FAULTS``): ``round_oom`` raises ``torch.OutOfMemoryError`` from the
-backend's ``reserve`` (where the round's buffers are reserved, at the top of the round) on the first attempt
-of a round whose batch holds a named request; ``round_oom_twice`` on the retry too.
+Test-only fault injection (``KDTREE_TEST_FAULTS``, ``TEST_FAULTS_ENV``): a path; while that file exists it holds
+``{"<rid prefix>": "draft_nan" | "target_nan" | "round_oom" | "round_oom_twice"}`` (``read_test_faults``). The
+round writes a NaN into the draft (or target verify) logits of every request whose rid starts with a prefix, so
+the end-to-end tests can force a fault in one request of a live batch; ``round_oom`` raises
+``torch.OutOfMemoryError`` from the backend's ``reserve`` (where the round's buffers are reserved, at the top of
+the round) on the first attempt of a round whose batch holds a named request; ``round_oom_twice`` on the retry
+too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import logging
 from contextlib import contextmanager
 from http import HTTPStatus
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+TEST_FAULTS_ENV = "KDTREE_TEST_FAULTS"
 
 #: What the worker treats as an allocation failure of the round.
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
@@ -69,8 +83,8 @@ def describe_error(exc: BaseException, limit: int = 300) -> str:
 
 
 def injected_oom(faults: dict, attempt: int) -> str | None:
-    """The test-only OOM to raise on ``attempt`` of this round (``faults`` as ``KDTreeWorker._test_faults``
-    returns it: fault kind -> batch rows), or None."""
+    """The test-only OOM to raise on ``attempt`` of this round (``faults`` as ``read_test_faults`` returns it:
+    fault kind -> batch rows), or None."""
     for kind, attempts in ROUND_OOM_FAULTS.items():
         if faults.get(kind) and attempt in attempts:
             return (f"KDTREE test fault {kind}: allocation failure injected at the round's buffer reservation "
@@ -192,3 +206,142 @@ def abort_logits_output(batch):
             torch.full((len(ids or []),), PLACEHOLDER_LOGPROB, dtype=torch.float32) for ids in batch.token_ids_logprobs]
         out.next_token_token_ids_logprobs_idx = [list(ids or []) for ids in batch.token_ids_logprobs]
     return out
+
+
+def read_test_faults(path: str | None, batch) -> dict:
+    """``{"draft_nan": [b...], "target_nan": [b...], "round_oom": [b...], ...}`` (fault kind -> batch rows) for
+    this batch from the ``KDTREE_TEST_FAULTS`` file at ``path`` (empty without one)."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            wanted = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out: dict = {}
+    for b, req in enumerate(batch.reqs):
+        for prefix, fault in wanted.items():
+            if str(req.rid).startswith(prefix):
+                out.setdefault(fault, []).append(b)
+    return out
+
+
+# -- bad values: the device error flags, read once per round ----------------------------------------------------
+
+
+def _batch_flag_faults(faults: dict, bs: int, tree_bits: int, commit_bits: int, acc_plan, draft_logits) -> None:
+    """Trace the per-batch flags (draft log-probs / tree, KV commit) back to requests: those whose draft logits
+    hold NaN / +inf, whose commit plan is invalid; failing that, every request of the batch."""
+    from sglang_kdtree.gpu.errors import describe_device_error
+    from sglang_kdtree.gpu.topk import TOPK_ERRORS
+
+    if tree_bits:
+        what = [m for bit, m in TOPK_ERRORS.items() if tree_bits & bit]
+        rows = draft_logits.reshape(bs, -1)
+        bad = (torch.isnan(rows) | torch.isposinf(rows)).any(dim=1).tolist()
+        for b in [b for b in range(bs) if bad[b]] or range(bs):
+            faults.setdefault(b, []).extend(f"draft: {m}" for m in what)
+    if commit_bits:
+        invalid = (acc_plan.src_slots[:, 0] < 0).tolist()
+        for b in [b for b in range(bs) if invalid[b]] or range(bs):
+            faults.setdefault(b, []).extend(f"commit: {m}" for m in describe_device_error(commit_bits))
+
+
+def end_faulty_requests(backend, batch, acc, plan, draft_logits) -> None:
+    """Read every device error flag of the round once (the round's one host read at its end; the scheduler
+    reads the results right after) and end each flagged request with ``FINISH_ABORT`` naming the fault,
+    so the rest of the batch goes on. Flags the kernels keep per batch, not per request (draft
+    log-probs / tree, KV commit), are traced back to the requests whose draft logits hold NaN / +inf or
+    whose commit plan is invalid; failing that, the whole batch is ended. The flags are cleared."""
+    tree_flag, commit_flag = backend.tree_errors, backend.commit_errors
+    words = torch.cat([tree_flag.to(torch.int64), commit_flag.to(torch.int64), acc.errors.to(torch.int64)])
+    host = words.tolist()
+    tree_bits, commit_bits, req_bits = host[0], host[1], host[2:]
+    if not (tree_bits or commit_bits or any(req_bits)):
+        return
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from sglang_kdtree.gpu.errors import describe_device_error
+
+    faults = {b: describe_device_error(bits) for b, bits in enumerate(req_bits) if bits}
+    _batch_flag_faults(faults, len(req_bits), tree_bits, commit_bits, plan, draft_logits)
+    if tree_bits:
+        tree_flag.zero_()
+    if commit_bits:
+        commit_flag.zero_()
+    for b, problems in sorted(faults.items()):
+        req = batch.reqs[b]
+        message = f"KDTREE round failed for this request: {'; '.join(problems)}"
+        logger.error("%s (rid=%s)", message, req.rid)
+        req.to_finish = FINISH_ABORT(message, status_code=500, err_type="InternalServerError")
+
+
+# -- allocation failures: one retry, then the batch ends -----------------------------------------------------
+
+
+def contained_round(worker, batch, on_publish):
+    """``worker._tree_round(batch, on_publish)`` with its allocation failures contained (module docstring).
+
+    A round raising ``torch.OutOfMemoryError`` or ``MemoryError`` runs once more, after the batch's fields
+    are put back and the plugin's round caches are released (on CUDA: the GPU backend's round buffers and
+    round graphs, then ``torch.cuda.empty_cache()``; on CPU nothing). If the retry fails too, every request
+    of the batch (the round's memory is per batch) is ended with ``FINISH_ABORT`` (HTTP 503) and kept out
+    of the radix cache, and the scheduler gets a result committing one placeholder token per request
+    (``ended_round_result``); other batches and later rounds go on. At tensor parallelism > 1 the error
+    propagates as before (the other ranks are inside the round's collectives)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    faults = read_test_faults(worker._test_faults_path, batch)
+    snapshot = snapshot_batch(batch)
+    error = None
+    for attempt in (0, 1):
+        if attempt:
+            restore_batch(batch, snapshot)
+            released = release_round_caches(worker.backend)
+            logger.warning("KDTREE round: retrying once after releasing %s", ", ".join(released) or "nothing")
+        try:
+            with failing_reserve(worker.backend, injected_oom(faults, attempt)):
+                return worker._tree_round(batch, on_publish)
+        except OOM_ERRORS as exc:
+            parallel = get_parallel()
+            if parallel.tp_size != 1 or getattr(parallel, "pp_size", 1) != 1:
+                raise
+            error = describe_error(exc)
+            logger.warning("KDTREE round (batch of %d, attempt %d) could not allocate memory: %s",
+                           len(batch.reqs), attempt + 1, error, exc_info=True)
+        # the exception and its traceback (the failed attempt's tensors) are dropped here, before the retry
+    restore_batch(batch, snapshot)
+    return ended_round_result(worker, batch, error, on_publish)
+
+
+def ended_round_result(worker, batch, error: str, on_publish=None):
+    """End every request of ``batch`` after its round failed twice to allocate memory; the result commits
+    one placeholder token per request (``placeholder_tokens``, ``abort_round_outputs``)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+    message = abort_message(error)
+    for req in batch.reqs:
+        if req.to_finish is None:
+            req.to_finish = FINISH_ABORT(message, status_code=ABORT_STATUS, err_type=ABORT_ERR_TYPE)
+        # the scheduler counts position P (the bonus token) as committed after this round, but its KV was never
+        # computed: the request must not be checkpointed into the radix cache for later requests to reuse
+        req.skip_radix_cache_insert = True
+    logger.error("%s (batch of %d: rids %s)", message, len(batch.reqs), [req.rid for req in batch.reqs])
+    model_eos = getattr(worker.target_worker.model_runner.model_config, "hf_eos_token_id", None)
+    width = worker.verify_width
+    next_token_ids, accept_lens, new_seq_lens = abort_round_outputs(
+        batch.seq_lens, placeholder_tokens(batch.reqs, model_eos), width)
+    bonus = next_token_ids.view(-1, width)[:, 0]
+    if on_publish is not None:
+        on_publish(new_seq_lens)
+    return GenerationBatchResult(
+        logits_output=abort_logits_output(batch),
+        next_token_ids=next_token_ids,
+        accept_lens=accept_lens,
+        can_run_cuda_graph=False,
+        next_draft_input=make_draft_input_v2(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+        speculative_num_draft_tokens=width,
+        new_seq_lens=new_seq_lens,
+    )

@@ -4,7 +4,8 @@ The target's verify forward yields one logits row per tree node (``[bs, N, V]``)
 chain position ``j`` of request ``b`` was chosen from the row of the accepted node ``accepted[b, j]`` (the
 root for ``j = 0``), so those rows, gathered in chain order, are exactly the distributions a plain
 autoregressive decode would have produced at those positions. ``round_logprobs`` gathers them into a
-``[bs * C, V]`` chain (``C`` = the committed columns, ``L + 1``) and hands it to SGLang's own
+``[bs * C, V]`` chain (``C`` = the columns a round can commit,
+``min(N, L + 1)``: ``state.Geometry.commit_width``) and hands it to SGLang's own
 ``compute_spec_logprobs`` (the helper DFLASH / EAGLE / n-gram use), which fills ``next_token_logprobs``
 (``[bs, C]``), the top-logprobs and the ``token_ids_logprob`` values exactly as for DFLASH's chain. The
 scheduler reads the first ``accept_len`` of each request's ``C`` entries.
@@ -17,7 +18,7 @@ temperature-scaled, unfiltered distribution too).
 The gather costs ``bs * C * V`` floats, so the worker calls this only for batches with ``return_logprob``.
 
 ``reseed_prefill_logprobs``: the worker redraws the prefill's token of a seeded request at T > 0
-(``KDTreeWorker._reseed_prefill_samples``); SGLang's sampler has already reported the logprob of the token
+(``seeded.reseed_prefill_samples``); SGLang's sampler has already reported the logprob of the token
 it drew, so the redrawn rows get the logprob of the new token, under the same rule.
 """
 

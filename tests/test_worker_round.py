@@ -1,5 +1,5 @@
 """CPU checks of the round's plumbing that the CUDA server relies on: device error flags end only the flagged
-requests (``KDTreeWorker._round_faults``), the commit helpers shared by both backends, the grow-only buffer
+requests (``round_faults.end_faulty_requests``), the commit helpers shared by both backends, the grow-only buffer
 rule and the round log's time split."""
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ import types
 import pytest
 import torch
 
-from sglang_kdtree import pipeline
-from sglang_kdtree.worker import KDTreeWorker, _RoundMarks
+from sglang_kdtree import pipeline, round_faults
+from sglang_kdtree.round_log import RoundMarks
 
 
-def _fake_worker(tree_bits=0, commit_bits=0):
-    backend = types.SimpleNamespace(tree_errors=torch.tensor([tree_bits], dtype=torch.int32),
-                                    commit_errors=torch.tensor([commit_bits], dtype=torch.int32))
-    return types.SimpleNamespace(backend=backend)
+def _fake_backend(tree_bits=0, commit_bits=0):
+    return types.SimpleNamespace(tree_errors=torch.tensor([tree_bits], dtype=torch.int32),
+                                 commit_errors=torch.tensor([commit_bits], dtype=torch.int32))
 
 
 def _batch(bs):
@@ -37,45 +36,38 @@ def _round(bs, req_bits=None, bad_plan_rows=(), nan_rows=()):
 
 
 def test_clean_round_ends_nobody():
-    worker, batch = _fake_worker(), _batch(3)
-    KDTreeWorker._round_faults(worker, batch, *_round(3))
+    backend, batch = _fake_backend(), _batch(3)
+    round_faults.end_faulty_requests(backend, batch, *_round(3))
     assert all(r.to_finish is None for r in batch.reqs)
 
 
 def test_per_request_accept_bits_end_only_that_request():
-    worker, batch = _fake_worker(), _batch(4)
-    KDTreeWorker._round_faults(worker, batch, *_round(4, req_bits=[0, 8, 0, 0]))
+    backend, batch = _fake_backend(), _batch(4)
+    round_faults.end_faulty_requests(backend, batch, *_round(4, req_bits=[0, 8, 0, 0]))
     assert [r.to_finish is not None for r in batch.reqs] == [False, True, False, False]
     message = batch.reqs[1].to_finish.message
     assert "KDTREE" in message and "NaN in a visited target logits row" in message
 
 
 def test_draft_flag_is_traced_to_the_request_with_nan_logprobs_and_cleared():
-    worker, batch = _fake_worker(tree_bits=8), _batch(3)
-    KDTreeWorker._round_faults(worker, batch, *_round(3, nan_rows=[2]))
+    backend, batch = _fake_backend(tree_bits=8), _batch(3)
+    round_faults.end_faulty_requests(backend, batch, *_round(3, nan_rows=[2]))
     assert [r.to_finish is not None for r in batch.reqs] == [False, False, True]
     assert "draft: logprobs contains NaN" in batch.reqs[2].to_finish.message
-    assert int(worker.backend.tree_errors[0]) == 0  # read once, reset for the next round
+    assert int(backend.tree_errors[0]) == 0  # read once, reset for the next round
 
 
 def test_commit_flag_is_traced_to_the_invalid_plan_row():
-    worker, batch = _fake_worker(commit_bits=64), _batch(3)
-    KDTreeWorker._round_faults(worker, batch, *_round(3, bad_plan_rows=[0]))
+    backend, batch = _fake_backend(commit_bits=64), _batch(3)
+    round_faults.end_faulty_requests(backend, batch, *_round(3, bad_plan_rows=[0]))
     assert [r.to_finish is not None for r in batch.reqs] == [True, False, False]
-    assert "commit:" in batch.reqs[0].to_finish.message and int(worker.backend.commit_errors[0]) == 0
+    assert "commit:" in batch.reqs[0].to_finish.message and int(backend.commit_errors[0]) == 0
 
 
 def test_untraceable_flag_ends_the_whole_batch_rather_than_serving_wrong_tokens():
-    worker, batch = _fake_worker(commit_bits=128), _batch(2)
-    KDTreeWorker._round_faults(worker, batch, *_round(2))
+    backend, batch = _fake_backend(commit_bits=128), _batch(2)
+    round_faults.end_faulty_requests(backend, batch, *_round(2))
     assert all(r.to_finish is not None for r in batch.reqs)
-
-
-def test_backend_without_flags_is_left_to_raise():
-    worker = types.SimpleNamespace(backend=types.SimpleNamespace())
-    batch = _batch(1)
-    KDTreeWorker._round_faults(worker, batch, types.SimpleNamespace(accepted=None), None, None)
-    assert batch.reqs[0].to_finish is None
 
 
 def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_identical():
@@ -115,10 +107,9 @@ def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_i
                                      torch.tensor([10, 10, 10]), depth)
     assert sampled.errors.tolist() == [8, 0, 0]
 
-    worker = types.SimpleNamespace(backend=backend)
     batch = _batch(bs)
     plan = types.SimpleNamespace(src_slots=torch.zeros((bs, 2), dtype=torch.int64))
-    KDTreeWorker._round_faults(worker, batch, acc, plan, bad_draft)
+    round_faults.end_faulty_requests(backend, batch, acc, plan, bad_draft)
     assert [r.to_finish is not None for r in batch.reqs] == [True, True, True]  # 0: target, 1-2: draft
     assert "NaN in a visited target logits row" in batch.reqs[0].to_finish.message
     assert "draft: logprobs contains NaN" in batch.reqs[1].to_finish.message
@@ -149,17 +140,19 @@ def test_move_kv_with_sglang_moves_only_changed_rows():
 
 @pytest.mark.parametrize("current, needed, expect", [(0, 5, 5), (8, 5, 8), (8, 9, 16), (8, 40, 40)])
 def test_buffers_grow_at_least_twofold_and_never_shrink(current, needed, expect):
-    assert pipeline._grown(current, needed) == expect
+    from sglang_kdtree.gpu.backend import grown
+
+    assert grown(current, needed) == expect
 
 
 def test_round_marks_split_in_order_and_off_by_default():
-    marks = _RoundMarks("cpu", enabled=True)
+    marks = RoundMarks("cpu", enabled=True)
     for name in ("draft", "tree", "verify", "accept_commit"):
         marks.mark(name)
     split = marks.split()
     assert list(split) == ["draft", "tree", "verify", "accept_commit"]
     assert all(v >= 0 for v in split.values())
-    off = _RoundMarks("cpu", enabled=False)
+    off = RoundMarks("cpu", enabled=False)
     off.mark("draft")
     assert off.split() == {} and off.detail() == {"ms": {}, "host_ms": {}}
 
@@ -167,7 +160,7 @@ def test_round_marks_split_in_order_and_off_by_default():
 def test_round_marks_sum_steps_into_their_phases():
     import time
 
-    marks = _RoundMarks("cpu", enabled=True)
+    marks = RoundMarks("cpu", enabled=True)
     steps = ("draft", "draft_head", "topk", "build", "verify_inputs", "prepare", "verify", "accept", "commit",
              "features", "accept_commit")
     for name in steps:
@@ -186,7 +179,7 @@ def test_round_marks_sum_steps_into_their_phases():
 def test_startup_rehearsal_runs_the_rounds_steps_on_either_backend():
     """``rehearse_round`` (the CUDA server's startup rehearsal, two ``pipeline.bookkeeping_round`` calls) runs on
     the reference backend too, so a contract slip in the shared step sequence shows up on CPU."""
-    from sglang_kdtree.worker import rehearse_round
+    from sglang_kdtree.prewarm import rehearse_round
 
     backend = pipeline.ReferenceBackend("cpu")
     used = rehearse_round(backend, bs=3, budget=6, depth=4, vocab=40, device="cpu", hidden_size=16)
@@ -216,9 +209,7 @@ def test_bookkeeping_round_equals_the_steps_called_one_by_one():
     assert torch.equal(rows, b.gather_hidden(hidden, p2, width))
 
 
-# --- allocation failures in a round (sglang_kdtree.round_faults, KDTreeWorker._contained_round) ---------------
-
-from sglang_kdtree import round_faults  # noqa: E402
+# --- allocation failures in a round (round_faults.contained_round) ----------------------------------------------
 
 
 def test_injected_round_oom_fires_on_the_first_attempt_and_twice_also_on_the_retry():
@@ -305,11 +296,10 @@ def test_release_round_caches_on_the_real_gpu_backend_class_lets_reserve_start_a
 
 
 class _FakeRoundWorker:
-    """What ``KDTreeWorker._contained_round`` / ``_ended_round_result`` read of the worker."""
+    """What ``round_faults.contained_round`` / ``ended_round_result`` read of the worker."""
 
-    _contained_round = KDTreeWorker._contained_round
-    _ended_round_result = KDTreeWorker._ended_round_result
-    _test_faults = KDTreeWorker._test_faults
+    def _contained_round(self, batch, on_publish):
+        return round_faults.contained_round(self, batch, on_publish)
 
     def __init__(self, faults_path, fail_times=0):
         self.backend = pipeline.ReferenceBackend("cpu")

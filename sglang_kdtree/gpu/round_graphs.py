@@ -172,7 +172,7 @@ class AcceptCommitGraphs(_Graphs):
         n = bs * verify_slots.shape[1]
         held = self._slots.numel() if self._slots is not None else 0
         if held < n:
-            from sglang_kdtree.pipeline import _grown  # the backend's own grow-only rule
+            from sglang_kdtree.gpu.backend import grown as _grown  # the backend's own grow-only rule
 
             self._slots = torch.empty(_grown(held, n), dtype=torch.int64, device=backend.device)
         slots_in = self._slots[:n].view(bs, -1)

@@ -1,0 +1,170 @@
+"""The round backend contract: what ``KDTreeWorker`` calls on a backend, and the results it gets back.
+
+``RoundBackend`` is implemented by ``reference_backend.ReferenceBackend`` (numpy on host copies: CPU serving,
+and the oracle) and ``gpu.backend.GpuBackend`` (the CUDA kernels); ``pipeline.select_backend`` picks one. Both
+take torch tensors on the worker's device and return the dataclasses below, on that device, with the same
+shapes and dtypes (``bs`` requests, ``N = B + 1`` verify rows, ``L`` draft depths, ``P`` committed lengths):
+
+* ``Trees``: ``tokens``, ``depths``, ``parents`` ``[bs, N]`` int64; ``num_nodes`` ``[bs]`` int64.
+* ``VerifyInputs``: ``input_ids``, ``positions`` ``[bs*N]`` int64; ``full_mask`` ``[sum(P)*N + N*N*bs]`` bool
+  (SGLang's FULL_MASK); ``ancestor_bits`` ``[bs, N, ceil(N/32)]`` int32 (uint32 bit rows);
+  ``retrieve_index``, ``retrieve_next_token``, ``retrieve_next_sibling`` ``[bs, N]`` int64.
+* ``AcceptResult``: ``accepted`` ``[bs, L+1]`` int64 node indices (root first, -1 padded); ``accept_lens`` ``[bs]``
+  int64 tau (bonus included); ``bonus`` ``[bs]`` int64; ``committed`` ``[bs, N]`` int64, the tau committed
+  tokens then -1 (row stride N, SGLang's ``next_token_ids`` layout); ``errors`` ``[bs]`` int64 per-request fault
+  bits (``gpu.errors.DEVICE_ERRORS``, 0 when valid).
+* ``CommitPlan``: ``src_slots``, ``dst_slots``, ``hidden_rows`` ``[bs, L+1]`` int64 (-1 padded); ``accept_lens``
+  ``[bs]`` int64; ``errors``: the backend's ``commit_errors`` flag (``int32 [1]``).
+
+A round commits at most ``min(N, L + 1)`` tokens per request (``state.Geometry.commit_width``): the columns of
+``accepted`` and ``committed`` past it are -1.
+
+Faults: no backend raises on bad values in one request. ``AcceptResult.errors`` marks requests, and
+``tree_errors`` / ``commit_errors`` (``int32 [1]``) collect the batch's draft and commit faults; the worker reads
+them once per round (``round_faults.end_faulty_requests``) and ends the faulty requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Trees:
+    """A batch of best-first trees, padded to N rows (``reference.TreeBatch`` as torch tensors)."""
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclass
+class VerifyInputs:
+    """What the target's tree-verify forward reads (``reference.VerifyInputs`` as torch tensors)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    full_mask: torch.Tensor
+    ancestor_bits: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+
+
+@dataclass
+class AcceptResult:
+    """One round's accepted paths and committed tokens (shapes in the module docstring)."""
+
+    accepted: torch.Tensor
+    accept_lens: torch.Tensor
+    bonus: torch.Tensor
+    committed: torch.Tensor
+    errors: torch.Tensor
+
+
+@dataclass
+class CommitPlan:
+    """The KV moves and hidden rows that commit the accepted paths (``reference.CommitPlan`` as torch tensors)."""
+
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
+    hidden_rows: torch.Tensor
+    accept_lens: torch.Tensor
+    errors: torch.Tensor
+
+
+class RoundBackend(Protocol):
+    """The round's tensor operations (steps 2-6 of ``sglang_kdtree.worker``); tensors on ``device``."""
+
+    name: str  # "reference" or "gpu"
+    device: torch.device
+    tree_errors: torch.Tensor  # int32 [1]: draft log-prob / tree / verify-input faults of the batch
+    commit_errors: torch.Tensor  # int32 [1]: commit plan / KV move / hidden gather faults of the batch
+
+    def reserve(self, batch: int, budget: int, depth: int, vocab: int, mask_bytes: int = 0) -> None:
+        """Size the round's buffers (grow-only; a no-op where nothing is preallocated)."""
+
+    def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[bs, L, V]`` draft logits -> ``(logprobs [bs, L, K] float32, ids [bs, L, K] int64)``."""
+
+    def shard_topk(self, logits_shard: torch.Tensor, k: int, id_offset: int):
+        """A vocabulary shard's top-K partials ``(values, global ids, row logsumexp)``."""
+
+    def merge_topk(self, vals: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, k: int):
+        """Merge ``[S, ...]`` shard partials into ``(logprobs, ids)`` (``pipeline.vocab_parallel_topk``)."""
+
+    def build(self, logprobs: torch.Tensor, ids: torch.Tensor, budget: int, roots: torch.Tensor) -> Trees:
+        """The best-first tree of ``budget`` nodes per request under ``roots`` ``[bs]``."""
+
+    def verify_inputs(self, trees: Trees, seq_lens: torch.Tensor, seq_lens_sum: int | None = None) -> VerifyInputs:
+        """The verify forward's inputs for ``trees`` after committed lengths ``seq_lens`` ``[bs]``."""
+
+    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
+                  graph: bool = True, mark=None) -> tuple[Trees, VerifyInputs, torch.Tensor]:
+        """Draft head GEMM -> ``topk`` -> ``build`` -> ``verify_inputs`` in one call (``eager_tree_step``);
+        returns the draft logits ``[bs*L, vocab]`` too."""
+
+    def accept_greedy(self, trees: Trees, logits: torch.Tensor, max_depth: int) -> AcceptResult:
+        """The walk along the target's argmax (``logits`` ``[bs, N, V]``)."""
+
+    def accept_sampled(self, trees: Trees, logits, temperatures, seeds, seq_lens, max_depth: int, top_ks=None,
+                       top_ps=None, min_ps=None) -> AcceptResult:
+        """The walk along per-node samples of the target (seeded per request and position)."""
+
+    def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None,
+                      min_ps=None) -> torch.Tensor:
+        """One seeded sample per row of ``[bs, V]`` logits (the prefill's redraw) -> ``[bs]`` int64."""
+
+    def commit_plan(self, accepted, accept_lens, verify_slots) -> CommitPlan:
+        """The KV moves and hidden rows that put the accepted paths at positions ``P..P+tau-1``."""
+
+    def commit_kv(self, pool, plan: CommitPlan) -> None:
+        """Apply ``plan`` to every layer of SGLang's KV ``pool``."""
+
+    def gather_hidden(self, hidden: torch.Tensor, plan: CommitPlan, width: int) -> torch.Tensor:
+        """``[bs, min(L+1, N), D]`` hidden states of the accepted rows (rows past tau: unspecified)."""
+
+    def accept_commit_greedy(self, trees: Trees, logits, depth: int, verify_slots, pool, hidden, width: int,
+                             graph: bool = False) -> tuple[AcceptResult, CommitPlan, torch.Tensor]:
+        """``accept_greedy`` -> ``commit_plan`` -> ``commit_kv`` -> ``gather_hidden`` in one call
+        (``eager_accept_commit_greedy``)."""
+
+
+def eager_tree_step(backend: RoundBackend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens,
+                    seq_lens_sum: int, mark=None):
+    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns (then ``mark()``,
+    if given: the drafter's head ends there), ``topk`` with ``K = min(budget, vocab)``, ``build``,
+    ``verify_inputs``. Returns ``(trees, verify, draft logits [bs*L, vocab])``."""
+    logits = torch.matmul(rows, weight.t())[:, :vocab]  # the GEMM the GPU backend's graph path also runs
+    if mark is not None:
+        mark()
+    logprobs, ids = backend.topk(logits.unflatten(0, (roots.shape[0], depth)), min(int(budget), int(vocab)))
+    trees = backend.build(logprobs, ids, budget, roots)
+    return trees, backend.verify_inputs(trees, seq_lens, seq_lens_sum=int(seq_lens_sum)), logits
+
+
+def eager_accept_commit_greedy(backend: RoundBackend, trees, logits, depth: int, verify_slots, pool, hidden,
+                               width: int):
+    """``accept_commit_greedy`` as four calls: ``accept_greedy``, ``commit_plan``, ``commit_kv``,
+    ``gather_hidden``. Returns ``(accept result, commit plan, accepted hidden rows)``."""
+    acc = backend.accept_greedy(trees, logits, depth)
+    plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), verify_slots)
+    backend.commit_kv(pool, plan)
+    return acc, plan, backend.gather_hidden(hidden, plan, width)
+
+
+def move_kv_with_sglang(pool, plan) -> None:
+    """Apply a commit plan with the pool's own ``move_kv_cache`` (only the rows whose slot changes; one host
+    sync to know whether any does)."""
+    valid = plan.src_slots >= 0
+    moving = valid & (plan.src_slots != plan.dst_slots)
+    if bool(moving.any()):
+        pool.move_kv_cache(plan.dst_slots[moving], plan.src_slots[moving])
