@@ -32,16 +32,8 @@
 // Scores use __dadd_rn / __dsub_rn in the reference's order (sibling = (score - S[d][r]) + S[d][r+1],
 // child = score + S[d+1][0]); the module is also compiled with -fmad=false.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-// NVRTC has no <math.h> macros.
-#define INFINITY __int_as_float(0x7f800000)
-
-#define ERR_LOGPROB_NAN 8
-#define ERR_LOGPROB_POSINF 16
-#define ERR_UNSORTED 32
-#define ERR_NEGATIVE_ID 64
+// Errors: ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_UNSORTED, ERR_NEGATIVE_ID of common.cuh.
+#include "common.cuh"
 
 #define FULL 0xffffffffu
 #define MAX_NODES 1025  // root + MAX_BUDGET (1024)

@@ -4,9 +4,7 @@
 //
 // A row index outside [0, num_rows) is an error (bit OR-ed into errors[0]); that output row is zeroed.
 
-#define ERR_BAD_HIDDEN_ROW 256
-
-typedef long long i64;
+#include "common.cuh"  // ERR_BAD_HIDDEN_ROW, i64
 
 template <typename Unit>
 __device__ void gather_impl(const Unit* hidden, i64 hidden_ld_units, i64 num_rows, i64 row_units,

@@ -10,10 +10,7 @@
 //
 // Errors are bits OR-ed into errors[0]; a request with any bad slot is skipped as a whole (no write).
 
-#define ERR_BAD_PATH 64    // accept_lens / accepted not a valid path inside the verify window
-#define ERR_BAD_SLOT 128   // a source or destination slot outside [0, num_slots); that request is skipped
-
-typedef long long i64;
+#include "common.cuh"  // ERR_BAD_PATH (an invalid accepted path), ERR_BAD_SLOT (a slot out of range), i64
 
 // One thread per (request, path column): src/dst slots and hidden-state rows, -1 past tau.
 // verify_slots[b, i] is the KV slot holding node i during verify (= position P+i after the commit).

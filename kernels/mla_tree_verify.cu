@@ -18,8 +18,10 @@
 // The pair exchanges its row maxima and its P tile through shared memory, synchronised by a named
 // barrier of 64 threads, so the other pairs are not stalled.
 //
-// No includes: NVRTC's default include path has no cuda_bf16.h / stdint.h everywhere; bf16 travels as
-// unsigned short and all tensor-core work is inline PTX.
+// No system includes: NVRTC's default include path has no cuda_bf16.h / stdint.h everywhere; bf16 travels as
+// its 16-bit pattern (common.cuh: bf16_t, pack_bf16x2) and all tensor-core work is inline PTX.
+
+#include "common.cuh"
 
 #define D_QK 576          // absorbed query / key width: kv_lora_rank 512 + qk_rope 64
 #define D_V 512           // value width = the latent part of the key row
@@ -30,8 +32,6 @@
 #define PLDS (KEY_TILE + 8)  // P tile pitch: 80 B = 5 x 16 B (odd), conflict-free ldmatrix as well
 #define LN2 0.69314718055994530942f
 #define NEG_INF __int_as_float(0xff800000u)  // -inf without math.h (NVRTC has no default libc headers)
-
-typedef unsigned short bf16_t;
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -65,13 +65,6 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats -> packed bf16x2 (round to nearest even); lo lands in the low half (lower address).
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 // Barrier for the two warps (64 threads) that share a row group; ids 1..4 (0 is __syncthreads).

@@ -27,9 +27,11 @@
 //               more than `cap` candidates (heavy ties around the K-th value) runs the same select over the
 //               row itself.
 //
-// Errors go to the int32 flag with the bits of topk_logsumexp.cu (NaN 1, +inf 2, dead row 4).
+// Errors go to an int32 flag (bits ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_DEAD_ROW of common.cuh), as
+// topk_logsumexp.cu's; what both files use (keys, composites, block scans, row_lse, the radix select over
+// composites, the output writer) is in topk_common.cuh.
 
-#include "topk_logsumexp.cu"
+#include "topk_common.cuh"
 
 #define H_THREADS 256
 #define H_ELEMS 32                         // columns per thread
@@ -50,7 +52,7 @@ template <typename T> struct Packed {
 
 __device__ __forceinline__ float elem_float(const u32* w, int e, unsigned short) {
   const u32 x = w[e >> 1];
-  return __uint_as_float((e & 1) ? (x & 0xffff0000u) : (x << 16));
+  return (e & 1) ? bf16_hi(x) : bf16_lo(x);
 }
 __device__ __forceinline__ float elem_float(const u32* w, int e, float) { return __uint_as_float(w[e]); }
 
@@ -101,27 +103,17 @@ __device__ __forceinline__ int group_col(int e, int t) {
 #define H_FILTER_K H_THREADS  // K above this: no chunk bound (every element is histogrammed)
 
 // NaN-propagating max / min (any NaN operand gives NaN), so one max per element both finds the thread's
-// largest value and screens for NaN.
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-__device__ __forceinline__ float fmin_nan(float a, float b) {
-  float d;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-__device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
-  u32 d;
-  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ u32 bf16x2_min_nan(u32 a, u32 b) {
-  u32 d;
-  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
+// largest value and screens for NaN: fp32, and bf16x2 (two packed values at once). C: the asm operand kind.
+#define NAN_PROPAGATING(NAME, INSN, T, C)                  \
+  __device__ __forceinline__ T NAME(T a, T b) {            \
+    T d;                                                   \
+    asm(INSN " %0, %1, %2;" : "=" C(d) : C(a), C(b));      \
+    return d;                                              \
+  }
+NAN_PROPAGATING(fmax_nan, "max.NaN.f32", float, "f")
+NAN_PROPAGATING(fmin_nan, "min.NaN.f32", float, "f")
+NAN_PROPAGATING(bf16x2_max_nan, "max.NaN.bf16x2", u32, "r")
+NAN_PROPAGATING(bf16x2_min_nan, "min.NaN.bf16x2", u32, "r")
 
 // The thread's largest and smallest values among its valid columns (-inf / +inf when it has none; NaN when
 // any is NaN).
@@ -134,8 +126,8 @@ __device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words],
       hi = bf16x2_max_nan(hi, raw[i]);
       lo = bf16x2_min_nan(lo, raw[i]);
     }
-    mx = fmax_nan(__uint_as_float(hi << 16), __uint_as_float(hi & 0xffff0000u));
-    mn = fmin_nan(__uint_as_float(lo << 16), __uint_as_float(lo & 0xffff0000u));
+    mx = fmax_nan(bf16_lo(hi), bf16_hi(hi));
+    mn = fmin_nan(bf16_lo(lo), bf16_hi(lo));
   } else {
     mx = -INFINITY;
     mn = INFINITY;
@@ -201,8 +193,8 @@ __device__ __forceinline__ double exp_sum_mask_bf16_full(const u32 (&raw)[Packed
       u32 ge;
       asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(ge) : "r"(raw[i]), "r"(cf2));
       mask |= (ge & 0x00010001u) << i;
-      t[2 * (i - g)] = ex2_approx<FTZ>(__fmaf_rn(__uint_as_float(raw[i] << 16), LOG2E_F, -ML));
-      t[2 * (i - g) + 1] = ex2_approx<FTZ>(__fmaf_rn(__uint_as_float(raw[i] & 0xffff0000u), LOG2E_F, -ML));
+      t[2 * (i - g)] = ex2_approx<FTZ>(__fmaf_rn(bf16_lo(raw[i]), LOG2E_F, -ML));
+      t[2 * (i - g) + 1] = ex2_approx<FTZ>(__fmaf_rn(bf16_hi(raw[i]), LOG2E_F, -ML));
     }
     const float q = __fadd_rn(__fadd_rn(__fadd_rn(t[0], t[1]), t[2]), t[3]);  // the generic path's order
     s = __dadd_rn(s, (double)q);
@@ -271,7 +263,7 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 #pragma unroll
     for (int e = 0; e < H_ELEMS; ++e) {
       const float f = elem_float(raw, e, T());
-      if (group_col<VEC>(e, tid) < n) bad |= f != f ? ERR_NAN : (f == INFINITY ? ERR_POSINF : 0);
+      if (group_col<VEC>(e, tid) < n) bad |= f != f ? ERR_LOGITS_NAN : (f == INFINITY ? ERR_LOGITS_POSINF : 0);
     }
     if (bad) atomicOr(err, bad);
   }
@@ -368,55 +360,12 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v1(cons
 // pass D: exact select + sort + outputs per row
 // ---------------------------------------------------------------------------------------------------
 
-struct CandSource {
-  const u64* p;
-  __device__ __forceinline__ u64 get(int t) const { return p[t]; }
-};
+// The row itself as select_winners' source (a row with more candidates than fit: heavy ties).
 template <typename T>
 struct RowSource {
   const T* p;
   __device__ __forceinline__ u64 get(int t) const { return composite(float_key(to_float(p[t])), (u32)t); }
 };
-
-// Exact radix select of the `want` largest composites of src[0, items) (unique composites, 11-bit digits
-// from the top, as topk_merge). `hw` is the histogram during the select and the winners afterwards (8 KiB,
-// both). Returns the number of winners, in hw[0, got) in no particular order.
-template <class Src>
-__device__ __forceinline__ int select_winners(const Src& src, int items, u32 want, int kout, u64* hw,
-                                            u32* scratch, u32* sel, u32* n_win) {
-  u32* hist = reinterpret_cast<u32*>(hw);
-  const int tid = threadIdx.x;
-  u64 prefix = 0, pmask = 0;
-  u32 k_rem = want;
-  if (want > 0)
-    for (int p = 0; p < 6; ++p) {
-      const int shift = comp_shift(p), nb = 1 << comp_bits(p);
-      for (int b = tid; b < nb; b += S_THREADS) hist[b] = 0;
-      __syncthreads();
-      for (int t = tid; t < items; t += S_THREADS) {
-        const u64 w = src.get(t);
-        if ((w & pmask) == prefix) atomicAdd(&hist[(u32)(w >> shift) & (nb - 1)], 1u);
-      }
-      __syncthreads();
-      find_bucket<S_THREADS>(hist, nb, k_rem, scratch, sel);
-      const u32 d = sel[0], above = sel[1], cnt = sel[2];
-      k_rem -= above;
-      prefix |= (u64)d << shift;
-      pmask |= (u64)(nb - 1) << shift;
-      if (cnt == k_rem) break;  // the whole bucket is taken
-    }
-  __syncthreads();  // every histogram read is done before hw holds winners
-  if (want > 0)
-    for (int t = tid; t < items; t += S_THREADS) {
-      const u64 w = src.get(t);
-      if (w >= prefix) {
-        const u32 q = atomicAdd(n_win, 1u);
-        if (q < (u32)MAX_K) hw[q] = w;
-      }
-    }
-  __syncthreads();
-  return min((int)*n_win, kout);
-}
 
 // The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
 // the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
@@ -522,21 +471,6 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
   return (int)min(*cursor, (u32)cap);
 }
 
-// One output entry: rank i of row r holds composite w (0: padding, only when an error left fewer candidates).
-template <int MODE>
-__device__ __forceinline__ void emit(int r, int kout, int i, u64 w, double lse, float* __restrict__ out_vals,
-                                     long long* __restrict__ out_ids, long long id_offset) {
-  const float f = key_float((u32)(w >> 32));
-  const long long id = (long long)(0xffffffffu - (u32)w);
-  if (MODE == 0) {
-    out_vals[(long long)r * kout + i] = (float)__dsub_rn((double)f, lse);
-    out_ids[(long long)r * kout + i] = id;
-  } else {
-    out_vals[(long long)r * kout + i] = f;
-    out_ids[(long long)r * kout + i] = id + id_offset;
-  }
-}
-
 // Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
 // got are padded) in descending order. Rank by counting (each composite's place is the number of larger
 // ones: no barrier; several lanes per composite when got <= S_THREADS / 2) when got <= RANK_ITEMS; else
@@ -614,6 +548,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
                                             long long* __restrict__ out_ids, double* __restrict__ out_lse,
                                             long long id_offset, int* __restrict__ err) {
   __shared__ u64 hw[MAX_K];  // histogram (2048 u32) during the select, winners (<= 1024 u64) after
+  u32* hist = reinterpret_cast<u32*>(hw);
   __shared__ u64 cache[S_CACHE];
   __shared__ u32 scratch[32];
   __shared__ u32 sel[3];
@@ -647,9 +582,9 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
     got = gather_candidates<T, VEC>(row, V, C, group_bin + (long long)r * C * H_THREADS, chunk_cut + (long long)r * C,
                                     bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
     if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
-    else got = select_winners(CandSource{dst}, got, (u32)min(kout, got), kout, hw, scratch, sel, &n_win);
+    else got = select_winners<S_THREADS>(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
   } else {
-    got = select_winners(RowSource<T>{row}, V, (u32)kout, kout, hw, scratch, sel, &n_win);
+    got = select_winners<S_THREADS>(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
   }
   emit_sorted<MODE>(src, got, kout, r, lse, out_vals, out_ids, id_offset);
   if (MODE == 1 && tid == 0) out_lse[r] = lse;

@@ -18,18 +18,10 @@
 // (key << 32 | ~id), a strict total order equal to (value desc, id asc), so the merge selects the K largest
 // composites with no reliance on candidate order; the tie rule is in the composite.
 //
-// Errors (never a trap, never an out-of-range write) go to an int32 flag (bits below); the Python layer
-// documents them (sglang_kdtree.gpu.topk.TOPK_ERRORS).
+// Errors (never a trap, never an out-of-range write) go to an int32 flag (bits ERR_LOGITS_NAN, ERR_LOGITS_POSINF,
+// ERR_DEAD_ROW of common.cuh; sglang_kdtree/gpu/errors.py decodes them).
 
-typedef unsigned int u32;
-
-// NVRTC has no <math.h> macros.
-#define INFINITY __int_as_float(0x7f800000)
-typedef unsigned long long u64;
-
-#define ERR_NAN 1       // NaN in the logits
-#define ERR_POSINF 2    // +inf in the logits
-#define ERR_DEAD_ROW 4  // a row (or every shard of it) is entirely -inf
+#include "topk_common.cuh"
 
 #define CHUNK_THREADS 512
 #ifndef CHUNK_MIN_BLOCKS
@@ -38,133 +30,6 @@ typedef unsigned long long u64;
 #define CHUNK_ELEMS 16                                 // elements per thread, kept in registers
 #define CHUNK_COLS (CHUNK_THREADS * CHUNK_ELEMS)       // 8192 columns per block
 #define MERGE_THREADS 1024
-#define MAX_BINS 2048                                  // widest radix digit (11 bits)
-#define MAX_K 1024
-
-// ---------------------------------------------------------------------------------------------------
-// keys
-// ---------------------------------------------------------------------------------------------------
-
-// Monotone float -> u32 map; -0.0 is folded onto +0.0 so that they tie (and then the lower id wins),
-// exactly as numpy compares them in the reference.
-__device__ __forceinline__ u32 float_key(float f) {
-  u32 b = __float_as_uint(f);
-  if (b == 0x80000000u) b = 0u;
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_float(u32 k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// bf16 is the top half of an fp32: the widening is exact, as the reference's upcast.
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(unsigned short x) { return __uint_as_float(((u32)x) << 16); }
-
-// ---------------------------------------------------------------------------------------------------
-// block primitives (THREADS a multiple of 32, <= 1024)
-// ---------------------------------------------------------------------------------------------------
-
-// Exclusive prefix sum over the block in thread order; *total gets the block sum. Ends with a barrier so
-// `scratch` (32 words) can be reused at once.
-template <int THREADS>
-__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32* scratch, u32* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  u32 x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    u32 y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) scratch[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    u32 s = lane < THREADS / 32 ? scratch[lane] : 0u;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      u32 y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    if (lane < THREADS / 32) scratch[lane] = s;
-  }
-  __syncthreads();
-  const u32 before = (warp ? scratch[warp - 1] : 0u) + x - v;
-  *total = scratch[THREADS / 32 - 1];
-  __syncthreads();
-  return before;
-}
-
-template <int THREADS>
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float m = scratch[0];
-  for (int w = 1; w < THREADS / 32; ++w) m = fmaxf(m, scratch[w]);
-  __syncthreads();
-  return m;
-}
-
-template <int THREADS>
-__device__ __forceinline__ double block_sum(double v, double* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double s = 0.0;
-  for (int w = 0; w < THREADS / 32; ++w) s = __dadd_rn(s, scratch[w]);  // fixed order: deterministic
-  __syncthreads();
-  return s;
-}
-
-// Row r's logsumexp (float64) from its C chunk partials (chunk max, sum exp(x - chunk max)); -inf for a row
-// with no finite value, and then (MODE 0: logprobs) ERR_DEAD_ROW is set. Shared by the chunk merge and the
-// histogram select.
-template <int THREADS, int MODE>
-__device__ __forceinline__ double row_lse(const float* __restrict__ chunk_max, const double* __restrict__ chunk_sum,
-                                          int r, int C, float* fscratch, double* dscratch, int* err) {
-  float m = -INFINITY;
-  for (int c = threadIdx.x; c < C; c += THREADS) m = fmaxf(m, chunk_max[r * C + c]);
-  const float M = block_max<THREADS>(m, fscratch);
-  double s = 0.0;
-  if (M != -INFINITY)
-    for (int c = threadIdx.x; c < C; c += THREADS) {
-      const float mc = chunk_max[r * C + c];
-      if (mc != -INFINITY) s = __dadd_rn(s, __dmul_rn(chunk_sum[r * C + c], exp(__dsub_rn((double)mc, (double)M))));
-    }
-  s = block_sum<THREADS>(s, dscratch);
-  if (MODE == 0 && M == -INFINITY && threadIdx.x == 0) atomicOr(err, ERR_DEAD_ROW);
-  return M == -INFINITY ? -INFINITY : __dadd_rn((double)M, log(s));
-}
-
-// Given hist[nb] (bin nb-1 = largest keys), find bin d with above(d) < k <= above(d) + hist[d], where
-// above(d) = sum of the bins over d. Result in sel[0..2] = (d, above, hist[d]); ends with a barrier.
-template <int THREADS>
-__device__ __forceinline__ void find_bucket(const u32* hist, int nb, u32 k, u32* scratch, u32* sel) {
-  const int per = (nb + THREADS - 1) / THREADS;
-  const int top = nb - 1 - (int)threadIdx.x * per;  // this thread's bins: top, top-1, ..., top-per+1
-  u32 s = 0;
-  for (int j = 0; j < per; ++j)
-    if (top - j >= 0) s += hist[top - j];
-  u32 total;
-  const u32 before = block_exclusive_scan<THREADS>(s, scratch, &total);
-  if (before < k && k <= before + s) {
-    u32 acc = before;
-    for (int j = 0; j < per; ++j) {
-      const int bin = top - j;
-      const u32 h = hist[bin];
-      if (acc + h >= k) {
-        sel[0] = (u32)bin;
-        sel[1] = acc;
-        sel[2] = h;
-        break;
-      }
-      acc += h;
-    }
-  }
-  __syncthreads();
-}
 
 // Radix passes over the 32-bit key, most significant digit first. bf16 keys have 16 significant bits, so
 // two digits (11 + 5) resolve them; fp32 keys need three (11 + 11 + 10).
@@ -179,25 +44,10 @@ template <> struct Digits<float> {
   __device__ static int shift(int p) { return p == 0 ? 21 : (p == 1 ? 10 : 0); }
   __device__ static int bits(int p) { return p == 0 ? 11 : (p == 1 ? 11 : 10); }
 };
-// Candidate keys in the merge come from either input type; three digits always resolve a u32 key.
-struct MergeDigits {
-  static constexpr int passes = 3;
-  __device__ static int shift(int p) { return p == 0 ? 21 : (p == 1 ? 10 : 0); }
-  __device__ static int bits(int p) { return p == 0 ? 11 : (p == 1 ? 11 : 10); }
-};
-
-struct SelectState {
-  u32 lo, hi;  // the boundary bucket [lo, hi]: keys > hi are all taken
-  u32 k_rem;   // how many of the keys in [lo, hi] are taken (the first ones in column order)
-};
 
 // ---------------------------------------------------------------------------------------------------
 // kernel 1: one chunk of one row
 // ---------------------------------------------------------------------------------------------------
-
-// (value desc, id asc) as one descending u64; ids < 2^32. Candidates travel in this form, so the merge
-// needs no column order: the composite order is a strict total order that already holds the tie rule.
-__device__ __forceinline__ u64 composite(u32 key, u32 id) { return ((u64)key << 32) | (u64)(0xffffffffu - id); }
 
 // Why a candidate cut is exact. Let T be the row's K-th largest key (K = min(K, V)). A global winner has
 // key >= T, and inside its chunk it is one of the chunk's top-min(K, n) by composite order, so its key is
@@ -262,8 +112,8 @@ __device__ __forceinline__ void topk_chunk(const T* __restrict__ logits, long lo
       const float f = to_float(raw[v]);
       key[j][v] = float_key(f);
       if (col0 + v < n) {
-        if (f != f) bad |= ERR_NAN;
-        else if (f == INFINITY) bad |= ERR_POSINF;
+        if (f != f) bad |= ERR_LOGITS_NAN;
+        else if (f == INFINITY) bad |= ERR_LOGITS_POSINF;
         m = fmaxf(m, f);
         if (j < HALF) { gm0 = max(gm0, key[j][v]); gv0 = true; }
         else { gm1 = max(gm1, key[j][v]); gv1 = true; }
@@ -436,32 +286,6 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, CHUNK_MIN_BLOCKS) to
 // kernel 2: merge the candidates of one row
 // ---------------------------------------------------------------------------------------------------
 
-// Bitonic sort, descending, of P (power of two) u64 in shared memory.
-template <int THREADS>
-__device__ __forceinline__ void bitonic_sort_desc(u64* s, int P) {
-  for (int k = 2; k <= P; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < P; i += THREADS) {
-        const int ixj = i ^ j;
-        if (ixj > i) {
-          const u64 a = s[i], b = s[ixj];
-          if (((i & k) == 0) ? (a < b) : (a > b)) {
-            s[i] = b;
-            s[ixj] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
-
-// Radix select over the 64-bit composites (11-bit digits from the top; the last digit has 9 bits).
-// Composites are unique, so the kout-th largest is one value and the winners are exactly the composites
-// >= it: no order among the candidates is needed.
-__device__ __forceinline__ int comp_shift(int p) { return p < 5 ? 53 - 11 * p : 0; }
-__device__ __forceinline__ int comp_bits(int p) { return p < 5 ? 11 : 9; }
 #define CAND_CACHE 2048  // candidates staged in shared memory when they fit (16 KiB)
 
 // MODE 0: out_vals = logprobs (float32(logit - lse)), out_ids = ids.  MODE 1 (shard partials): out_vals =
@@ -497,56 +321,14 @@ __device__ __forceinline__ void topk_merge(const u64* __restrict__ cands, int* _
   }
   if (tid == 0) n_win = 0;
   const u32 want = (u32)min(kout, items);  // == kout unless the input was invalid (NaN)
-
-  u64 prefix = 0, pmask = 0;
-  u32 k_rem = want;
-  if (want > 0)
-    for (int p = 0; p < 6; ++p) {
-      const int shift = comp_shift(p), nb = 1 << comp_bits(p);
-      for (int b = tid; b < nb; b += MERGE_THREADS) hist[b] = 0;
-      __syncthreads();
-      for (int t = tid; t < items; t += MERGE_THREADS) {
-        const u64 w = src[t];
-        if ((w & pmask) == prefix) atomicAdd(&hist[(u32)(w >> shift) & (nb - 1)], 1u);
-      }
-      __syncthreads();
-      find_bucket<MERGE_THREADS>(hist, nb, k_rem, scratch, sel);
-      const u32 d = sel[0], above = sel[1], cnt = sel[2];
-      k_rem -= above;
-      prefix |= (u64)d << shift;
-      pmask |= (u64)(nb - 1) << shift;
-      if (cnt == k_rem) break;  // the whole bucket is taken
-    }
-  // winners: every composite >= prefix (the bucket is wholly taken; unique composites)
-  __syncthreads();
-  if (want > 0)
-    for (int t = tid; t < items; t += MERGE_THREADS) {
-      const u64 w = src[t];
-      if (w >= prefix) {
-        const u32 p = atomicAdd(&n_win, 1u);
-        if (p < (u32)MAX_K) winners[p] = w;
-      }
-    }
-  __syncthreads();
-  const int got = min((int)n_win, kout);
+  const int got = select_winners<MERGE_THREADS>(CandSource{src}, items, want, kout, hist, winners, scratch, sel, &n_win);
   int P = 1;
   while (P < kout) P <<= 1;
   for (int i = got + tid; i < P; i += MERGE_THREADS) winners[i] = 0ull;  // sorts last
   __syncthreads();
   bitonic_sort_desc<MERGE_THREADS>(winners, P);
 
-  for (int i = tid; i < kout; i += MERGE_THREADS) {
-    const u64 w = winners[i];
-    const float f = key_float((u32)(w >> 32));
-    const long long id = (long long)(0xffffffffu - (u32)w);
-    if (MODE == 0) {
-      out_vals[(long long)r * kout + i] = (float)__dsub_rn((double)f, lse);
-      out_ids[(long long)r * kout + i] = id;
-    } else {
-      out_vals[(long long)r * kout + i] = f;
-      out_ids[(long long)r * kout + i] = id + id_offset;
-    }
-  }
+  for (int i = tid; i < kout; i += MERGE_THREADS) emit<MODE>(r, kout, i, winners[i], lse, out_vals, out_ids, id_offset);
   if (tid == 0) {
     if (MODE == 1) out_lse[r] = lse;
     row_count[r] = 0;  // every thread read it before the barriers above
@@ -598,8 +380,8 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_shards(
       const int s = t / Ks, j = t % Ks;
       const long long off = ((long long)s * R + r) * Ks + j;
       const float f = top_vals[off];
-      if (f != f) bad |= ERR_NAN;
-      else if (f == INFINITY) bad |= ERR_POSINF;
+      if (f != f) bad |= ERR_LOGITS_NAN;
+      else if (f == INFINITY) bad |= ERR_LOGITS_POSINF;
       cands[t] = composite(float_key(f), (u32)ids[off]);
     } else {
       cands[t] = 0ull;
@@ -608,9 +390,5 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) topk_merge_shards(
   if (bad) atomicOr(err, bad);
   __syncthreads();
   bitonic_sort_desc<MERGE_THREADS>(cands, P);
-  for (int i = tid; i < kout; i += MERGE_THREADS) {
-    const u64 w = cands[i];
-    out_lp[(long long)r * kout + i] = (float)__dsub_rn((double)key_float((u32)(w >> 32)), glse);
-    out_ids[(long long)r * kout + i] = (long long)(0xffffffffu - (u32)w);
-  }
+  for (int i = tid; i < kout; i += MERGE_THREADS) emit<0>(r, kout, i, cands[i], glse, out_lp, out_ids, 0);
 }

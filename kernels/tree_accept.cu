@@ -16,60 +16,63 @@
 //     has the same distribution as sampling every node and then walking (unvisited draws never matter).
 //
 // Errors: each block gathers its request's bits in shared memory and stores them to errors[b] (int64 [bs];
-// no zero-initialised flag, no host sync; see sglang_kdtree/gpu/errors.py).
+// no zero-initialised flag, no host sync): ERR_NUM_NODES, ERR_BAD_PARENT, ERR_MAX_DEPTH, ERR_TARGET_NAN and
+// ERR_SAMPLING of common.cuh (decoded by sglang_kdtree/gpu/errors.py).
 
-#define ERR_NUM_NODES 1      // num_nodes[b] outside [0, N-1]; clamped
-#define ERR_BAD_PARENT 2     // parents[i] outside [0, i) for a live node; the node is unlinked
-#define ERR_MAX_DEPTH 4      // the accepted path is longer than max_depth; truncated
-#define ERR_NAN 8            // NaN in a visited logits row
-#define ERR_SAMPLING 16      // top_k < 1 (treated as 1) or a row entirely -inf at T > 0
+#include "common.cuh"
 
 #define MAX_WIDTH 1025       // N = budget + 1, budget <= MAX_BUDGET = 1024
 #define NO_CHILD 0x7fffffff
 
-typedef long long i64;
-typedef unsigned long long u64;
-typedef unsigned int u32;
-
-// bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits (no cuda_bf16.h under NVRTC).
-__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float(((u32)h) << 16); }
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(unsigned short h) { return bf16_to_float(h); }
+// to_float (common.cuh): bf16 -> fp32 is exact.
 template <typename Elem>
 __device__ __forceinline__ float load_elem(const Elem* p, i64 i) { return to_float(__ldg(p + i)); }
 
-// Apply f(value, index) to every element of row [0, V) this thread owns. 16-byte loads when the row is
-// aligned, issued LOADS_IN_FLIGHT at a time before any is consumed: one block reads a whole 300 KB
-// vocabulary row, and a single SM only approaches its share of HBM bandwidth with many bytes in flight.
+// Apply f(value, index) to every element this thread owns of part `part` of PARTS of row [0, V) (PARTS = 1:
+// the whole row, one block; PARTS = GREEDY_CLUSTER: this block's slice of a cluster's row). 16-byte loads when
+// vec_ok (the row aligned; slice bounds are multiples of the vector width, except the row's tail, which the
+// last part takes element by element), issued LOADS_IN_FLIGHT at a time before any is consumed: one block
+// reads a whole 300 KB vocabulary row, and a single SM only approaches its share of HBM bandwidth with many
+// bytes in flight.
 #define LOADS_IN_FLIGHT 4
-template <typename Elem, typename F>
-__device__ __forceinline__ void for_each_in_row(const Elem* row, i64 V, bool vec_ok, F f) {
+template <int PARTS, typename Elem, typename F>
+__device__ __forceinline__ void for_each_in_part(const Elem* row, i64 V, bool vec_ok, u32 part, F f) {
   constexpr int PER_VEC = 16 / sizeof(Elem);
   i64 start = 0;
   if (vec_ok) {
     const uint4* vrow = reinterpret_cast<const uint4*>(row);
     const i64 nvec = V / PER_VEC;
-    for (i64 q0 = threadIdx.x; q0 < nvec; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
+    const i64 q_lo = nvec * part / PARTS, q_hi = nvec * (part + 1) / PARTS;
+    for (i64 q0 = q_lo + threadIdx.x; q0 < q_hi; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
       uint4 w[LOADS_IN_FLIGHT];
 #pragma unroll
       for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
         const i64 q = q0 + (i64)u * blockDim.x;
-        if (q < nvec) w[u] = __ldg(vrow + q);
+        if (q < q_hi) w[u] = __ldg(vrow + q);
       }
 #pragma unroll
       for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
         const i64 q = q0 + (i64)u * blockDim.x;
-        if (q < nvec) {
+        if (q < q_hi) {
           const Elem* e = reinterpret_cast<const Elem*>(&w[u]);
 #pragma unroll
           for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
         }
       }
     }
+    if (part != PARTS - 1) return;
     start = nvec * PER_VEC;
+  } else {
+    start = V * part / PARTS;
+    V = V * (part + 1) / PARTS;
   }
   for (i64 v = start + threadIdx.x; v < V; v += blockDim.x) f(load_elem(row, v), v);
+}
+
+// f(value, index) over every element of the row this thread owns (one block per row).
+template <typename Elem, typename F>
+__device__ __forceinline__ void for_each_in_row(const Elem* row, i64 V, bool vec_ok, F f) {
+  for_each_in_part<1>(row, V, vec_ok, 0u, f);
 }
 
 // (value, index) argmax order: larger value wins, equal values go to the lower index (numpy's argmax).
@@ -187,18 +190,28 @@ struct SampleScratch {
   u64 bcast[4];
 };
 
-// Greedy choice at one row: argmax, lower id on ties; NaN entries are flagged and never chosen.
+// The row's (max, argmax) over its non-NaN entries, lower id on ties, in every thread (-inf and INT64_MAX when
+// every entry is NaN); NaN entries are flagged (ERR_TARGET_NAN) and never chosen.
 template <typename Elem>
-__device__ i64 row_argmax(const Elem* row, i64 V, bool vec_ok, SampleScratch& s, int* errors) {
-  float bv = -__int_as_float(0x7f800000);
-  i64 bi = 0x7fffffffffffffffLL;
+__device__ __forceinline__ void row_max(const Elem* row, i64 V, bool vec_ok, SampleScratch& s, int* errors, float& bv,
+                                        i64& bi) {
+  bv = -__int_as_float(0x7f800000);
+  bi = 0x7fffffffffffffffLL;
   bool nan = false;
   for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
     if (x != x) nan = true;
     else if (better(x, i, bv, bi)) { bv = x; bi = i; }
   });
-  if (nan) atomicOr(errors, ERR_NAN);
+  if (nan) atomicOr(errors, ERR_TARGET_NAN);
   block_argmax(bv, bi, s.fv, s.fi);
+}
+
+// Greedy choice at one row: argmax, lower id on ties; NaN entries are flagged and never chosen.
+template <typename Elem>
+__device__ i64 row_argmax(const Elem* row, i64 V, bool vec_ok, SampleScratch& s, int* errors) {
+  float bv;
+  i64 bi;
+  row_max(row, V, vec_ok, s, errors, bv, bi);
   return bi == 0x7fffffffffffffffLL ? 0 : bi;
 }
 
@@ -214,15 +227,9 @@ template <typename Elem>
 __device__ i64 row_sample(const Elem* row, i64 V, bool vec_ok, float temperature, i64 top_k, float top_p,
                           float min_p, uint4 ctr, uint2 key, SampleScratch& s, int* errors) {
   // 1. row max (the softmax shift)
-  float m = -__int_as_float(0x7f800000);
-  i64 mi = 0x7fffffffffffffffLL;
-  bool nan = false;
-  for_each_in_row(row, V, vec_ok, [&](float x, i64 i) {
-    if (x != x) nan = true;
-    else if (better(x, i, m, mi)) { m = x; mi = i; }
-  });
-  if (nan) atomicOr(errors, ERR_NAN);
-  block_argmax(m, mi, s.fv, s.fi);
+  float m;
+  i64 mi;
+  row_max(row, V, vec_ok, s, errors, m, mi);
   if (!(m > -__int_as_float(0x7f800000))) {  // entirely -inf (or NaN): nothing to sample
     if (threadIdx.x == 0) atomicOr(errors, ERR_SAMPLING);
     return 0;
@@ -559,42 +566,6 @@ __device__ __forceinline__ GreedyPartial cluster_load(const GreedyPartial* p, u3
   return out;
 }
 
-// f(value, index) over this block's slice [lo, hi) of a row: 16-byte vectors when vec_ok (lo, hi multiples
-// of the vector width, except the row's tail, which the last block takes element by element).
-template <typename Elem, typename F>
-__device__ __forceinline__ void for_each_in_slice(const Elem* row, i64 V, bool vec_ok, u32 rank, F f) {
-  constexpr int PER_VEC = 16 / sizeof(Elem);
-  i64 start = 0;
-  if (vec_ok) {
-    const uint4* vrow = reinterpret_cast<const uint4*>(row);
-    const i64 nvec = V / PER_VEC;
-    const i64 q_lo = nvec * rank / GREEDY_CLUSTER, q_hi = nvec * (rank + 1) / GREEDY_CLUSTER;
-    for (i64 q0 = q_lo + threadIdx.x; q0 < q_hi; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
-      uint4 w[LOADS_IN_FLIGHT];
-#pragma unroll
-      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
-        const i64 q = q0 + (i64)u * blockDim.x;
-        if (q < q_hi) w[u] = __ldg(vrow + q);
-      }
-#pragma unroll
-      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
-        const i64 q = q0 + (i64)u * blockDim.x;
-        if (q < q_hi) {
-          const Elem* e = reinterpret_cast<const Elem*>(&w[u]);
-#pragma unroll
-          for (int k = 0; k < PER_VEC; ++k) f(to_float(e[k]), q * PER_VEC + k);
-        }
-      }
-    }
-    if (rank != GREEDY_CLUSTER - 1) return;
-    start = nvec * PER_VEC;
-  } else {
-    start = V * rank / GREEDY_CLUSTER;
-    V = V * (rank + 1) / GREEDY_CLUSTER;
-  }
-  for (i64 v = start + threadIdx.x; v < V; v += blockDim.x) f(load_elem(row, v), v);
-}
-
 template <typename Elem>
 __device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents, const i64* num_nodes,
                                            const Elem* logits, i64 V, i64 ld, const i64* seq_lens, int N, int M,
@@ -624,7 +595,7 @@ __device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents
     float bv = -__int_as_float(0x7f800000);
     i64 bi = 0x7fffffffffffffffLL;
     bool nan = false;
-    for_each_in_slice(row, V, vec_ok, rank, [&](float x, i64 i) {
+    for_each_in_part<GREEDY_CLUSTER>(row, V, vec_ok, rank, [&](float x, i64 i) {
       if (x != x) nan = true;
       else if (better(x, i, bv, bi)) { bv = x; bi = i; }
     });
@@ -656,7 +627,7 @@ __device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents
     }
     __syncthreads();
     choice = s_choice;
-    if (s_nan && threadIdx.x == 0) atomicOr(errors, ERR_NAN);
+    if (s_nan && threadIdx.x == 0) atomicOr(errors, ERR_TARGET_NAN);
     for (int i = cur + 1 + threadIdx.x; i <= n; i += blockDim.x)
       if (par[i] == cur && tok[i] == choice) atomicMin(&s_next, i);
     __syncthreads();

@@ -13,9 +13,8 @@
 // A malformed tree (num_nodes outside [0, N-1], a live node's parent outside [0, i), a chain deeper than
 // 31) sets ERR_BAD_TREE; the kernel clamps and never writes outside its rows.
 
-typedef unsigned int u32;
+#include "common.cuh"  // ERR_BAD_TREE, u32
 
-#define ERR_BAD_TREE 128
 #define LINK_THREADS 256
 #define MAX_N 1025
 #define MAX_CHAIN 32
