@@ -39,7 +39,7 @@ __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "accept_storage
            "MAX_WIDTH", "MAX_VOCAB"]
 
 #: verify width limit of the kernel's shared-memory tree (reference.MAX_BUDGET + 1)
-MAX_WIDTH = 1025
+from sglang_kdtree.state import MAX_WIDTH  # noqa: E402
 #: vocabulary limit of the sampler's fixed-point weights (a row's weights sum below 2^63)
 MAX_VOCAB = 1 << 19
 _ACCEPT_THREADS_IDS = 256
