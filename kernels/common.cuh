@@ -21,26 +21,27 @@ typedef unsigned short bf16_t;
 // ---------------------------------------------------------------------------------------------------
 
 // accept (tree_accept.cu; per request, int64 [bs])
-#define ERR_NUM_NODES 1          // num_nodes[b] outside [0, N-1]; clamped
-#define ERR_BAD_PARENT 2         // parents[i] outside [0, i) for a live node; the node is unlinked
-#define ERR_MAX_DEPTH 4          // the accepted path is longer than max_depth; truncated
-#define ERR_TARGET_NAN 8         // NaN in a visited target logits row
-#define ERR_SAMPLING 16          // top_k < 1 (treated as 1) or a target row entirely -inf at T > 0
+#define ERR_NUM_NODES (1 << 0)        // num_nodes[b] outside [0, N-1]; clamped
+#define ERR_BAD_PARENT (1 << 1)       // parents[i] outside [0, i) for a live node; the node is unlinked
+#define ERR_MAX_DEPTH (1 << 2)        // the accepted path is longer than max_depth; truncated
+#define ERR_TARGET_NAN (1 << 3)       // NaN in a visited target logits row
+#define ERR_SAMPLING (1 << 4)         // top_k < 1 (treated as 1) or a target row entirely -inf at T > 0
+// bit 5 is free
 // commit (kv_compact.cu, gather_hidden.cu; int32 [1] flag)
-#define ERR_BAD_PATH 64          // accept_lens / accepted not a valid path inside the verify window
-#define ERR_BAD_SLOT 128         // a KV source or destination slot outside [0, num_slots); that request is skipped
-#define ERR_BAD_HIDDEN_ROW 256   // a hidden-state row index outside [0, rows); that output row is zeroed
+#define ERR_BAD_PATH (1 << 6)         // accept_lens / accepted not a valid path inside the verify window
+#define ERR_BAD_SLOT (1 << 7)         // a KV source or destination slot outside [0, num_slots); request skipped
+#define ERR_BAD_HIDDEN_ROW (1 << 8)   // a hidden-state row index outside [0, rows); that output row is zeroed
 // MoE routing (moe/moe_align.cu keeps its own #define of the same value)
-#define ERR_EXPERT_ID 512        // a routed expert id outside [0, num_experts); the route is dropped
+#define ERR_EXPERT_ID (1 << 9)        // a routed expert id outside [0, num_experts); the route is dropped
 // tree construction (topk_*.cu, best_first_tree.cu, verify_inputs.cu; int32 [1] flag)
-#define ERR_LOGITS_NAN 1         // NaN in the drafter's logits
-#define ERR_LOGITS_POSINF 2      // +inf in the drafter's logits
-#define ERR_DEAD_ROW 4           // a logits row (or every shard of it) is entirely -inf
-#define ERR_LOGPROB_NAN 8        // NaN in the log-probs
-#define ERR_LOGPROB_POSINF 16    // +inf in the log-probs
-#define ERR_UNSORTED 32          // a log-prob row not sorted descending
-#define ERR_NEGATIVE_ID 64       // a negative token id
-#define ERR_BAD_TREE 128         // num_nodes outside [0, N-1], a parent outside [0, i) or a chain deeper than 31
+#define ERR_LOGITS_NAN (1 << 10)      // NaN in the drafter's logits
+#define ERR_LOGITS_POSINF (1 << 11)   // +inf in the drafter's logits
+#define ERR_DEAD_ROW (1 << 12)        // a logits row (or every shard of it) is entirely -inf
+#define ERR_LOGPROB_NAN (1 << 13)     // NaN in the log-probs
+#define ERR_LOGPROB_POSINF (1 << 14)  // +inf in the log-probs
+#define ERR_UNSORTED (1 << 15)        // a log-prob row not sorted descending
+#define ERR_NEGATIVE_ID (1 << 16)     // a negative token id
+#define ERR_BAD_TREE (1 << 17)        // num_nodes outside [0, N-1], a parent outside [0, i) or a chain deeper than 31
 
 // ---------------------------------------------------------------------------------------------------
 // bf16

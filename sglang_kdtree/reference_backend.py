@@ -16,10 +16,10 @@ import torch
 
 from sglang_kdtree import reference
 from sglang_kdtree.contract import AcceptResult, CommitPlan, Trees, VerifyInputs, move_kv_with_sglang
+from sglang_kdtree.gpu.errors import ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_TARGET_NAN
 
-#: fault bits, shared with the kernels: draft log-probs (``gpu.topk.TOPK_ERRORS``) and target logits
-#: (``gpu.errors.DEVICE_ERRORS``)
-_DRAFT_NAN, _DRAFT_POSINF, _TARGET_NAN = 8, 16, 8
+#: fault bits, shared with the kernels (``gpu.errors.DEVICE_ERRORS``): draft log-probs and target logits
+_DRAFT_NAN, _DRAFT_POSINF, _TARGET_NAN = ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_TARGET_NAN
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -42,7 +42,8 @@ def _filters(top_ks, top_ps, bs: int, min_ps=None):
 
 
 def _faulty_requests(x: np.ndarray) -> np.ndarray:
-    """Per request (leading axis) the draft fault bits of ``x``: 8 for a NaN, 16 for a +inf anywhere."""
+    """Per request (leading axis) the draft fault bits of ``x``: ``_DRAFT_NAN`` for a NaN, ``_DRAFT_POSINF`` for a
+    +inf anywhere."""
     flat = x.reshape(x.shape[0], -1)
     return np.where(np.isnan(flat).any(axis=1), _DRAFT_NAN, 0) | np.where(np.isposinf(flat).any(axis=1),
                                                                           _DRAFT_POSINF, 0)

@@ -51,3 +51,37 @@ def test_kernel_compiles_with_nvrtc(name):
         assert text.count(".entry ") > 0, f"{name} produced no kernel entry"
     for entry in entries:
         assert f".entry {entry}" in text, f"{entry} of {name} is missing from the PTX"
+
+
+def _header_bits(path) -> dict[str, int]:
+    """``#define ERR_NAME value`` lines of a kernel source (value a number or ``(1 << n)``)."""
+    out = {}
+    for name, value in re.findall(r"^#define\s+(ERR_\w+)\s+(\(1 << \d+\)|\d+)", pathlib.Path(path).read_text(), re.M):
+        out[name] = eval(value, {})  # noqa: S307 - an integer literal or a shift of two
+    return out
+
+
+def test_error_table_is_one_and_mirrored_in_python():
+    """kernels/common.cuh holds the one device error table (unique bits); gpu/errors.py mirrors it bit for bit,
+    no other top-level kernel defines an ERR_ bit of its own, and the MoE align kernel's bit is the table's."""
+    from sglang_kdtree.gpu import errors, topk
+    from sglang_kdtree.moe import routing
+
+    kdir = pathlib.Path(runtime.kernels_dir())
+    table = _header_bits(kdir / "common.cuh")
+    assert len(set(table.values())) == len(table) and all(v & (v - 1) == 0 for v in table.values())
+    assert {n: getattr(errors, n) for n in table} == table
+    assert {n for n in errors.__all__ if n.startswith("ERR_")} == set(table)
+    assert set(errors.DEVICE_ERRORS) == set(table.values())
+    assert set(topk.TOPK_ERRORS) <= set(errors.DEVICE_ERRORS)
+    for path in [*kdir.glob("*.cu"), *kdir.glob("*.cuh")]:
+        if path.name != "common.cuh":
+            assert not _header_bits(path), f"{path.name} defines its own error bits; they belong in common.cuh"
+    assert _header_bits(kdir / "moe" / "moe_align.cu") == {"ERR_EXPERT_ID": errors.ERR_EXPERT_ID}
+    assert routing.ERR_EXPERT_ID == errors.ERR_EXPERT_ID
+
+
+def test_top_level_kernels_include_only_headers():
+    for path in pathlib.Path(runtime.kernels_dir()).glob("*.cu*"):
+        for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
+            assert inc.endswith(".cuh"), f"{path.name} includes {inc}: only headers may be included"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sglang_kdtree import pipeline, round_faults
+from sglang_kdtree.gpu.errors import ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF
 from sglang_kdtree.round_log import RoundMarks
 
 
@@ -50,7 +51,7 @@ def test_per_request_accept_bits_end_only_that_request():
 
 
 def test_draft_flag_is_traced_to_the_request_with_nan_logprobs_and_cleared():
-    backend, batch = _fake_backend(tree_bits=8), _batch(3)
+    backend, batch = _fake_backend(tree_bits=ERR_LOGPROB_NAN), _batch(3)
     round_faults.end_faulty_requests(backend, batch, *_round(3, nan_rows=[2]))
     assert [r.to_finish is not None for r in batch.reqs] == [False, False, True]
     assert "draft: logprobs contains NaN" in batch.reqs[2].to_finish.message
@@ -90,7 +91,7 @@ def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_i
     bad_draft[1, 2, 7] = float("nan")
     bad_draft[2, 0, 3] = float("inf")
     lp, ids = backend.topk(bad_draft, budget)
-    assert int(backend.tree_errors) == 8 | 16
+    assert int(backend.tree_errors) == ERR_LOGPROB_NAN | ERR_LOGPROB_POSINF
     assert torch.equal(lp[0], lp_c[0]) and torch.equal(ids[0], ids_c[0])
     assert bool(torch.isnan(lp[1]).all()) and bool(torch.isnan(lp[2]).all())
     trees = backend.build(lp, ids, budget, roots)

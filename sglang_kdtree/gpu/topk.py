@@ -52,17 +52,9 @@ HIST_THREADS = 256  # threads of hist_pass / hist_select
 HIST_BINS = 4096  # 12-bit key histogram per row
 HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more -> whole-row exact select
 
-#: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs)
-TOPK_ERRORS = {
-    1: "logits contains NaN; the drafter produced invalid logits",
-    2: "logits contains +inf; the drafter produced invalid logits",
-    4: "a logits row is entirely -inf: no token is possible at that depth",
-    8: "logprobs contains NaN",
-    16: "logprobs contains +inf; log-probabilities must be finite or -inf",
-    32: "a logprobs row is not sorted in descending order (rank 0 must be the most likely)",
-    64: "token_ids contains a negative id",
-    128: "malformed tree: num_nodes outside [0, N-1], a parent outside [0, i) or a chain deeper than 31",
-}
+#: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs): their part of
+#: the one device error table (gpu.errors, mirroring kernels/common.cuh)
+from sglang_kdtree.gpu.errors import TREE_ERRORS as TOPK_ERRORS  # noqa: E402
 
 
 def new_error_flag(device):

@@ -103,7 +103,8 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
         root_tokens: ``[bs]`` int64 CUDA, each request's bonus token (node 0).
         out: a preallocated ``GpuTreeBatch`` whose buffers hold at least ``bs * (B+1)`` rows (written as
             contiguous ``[bs, B+1]`` views); else one is allocated.
-        error_flag: ``int32 [1]`` CUDA flag (NaN 8, +inf 16, unsorted 32, negative id 64).
+        error_flag: ``int32 [1]`` CUDA flag (``gpu.errors``: ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_UNSORTED,
+            ERR_NEGATIVE_ID).
         check: sync and raise the reference's ``ValueError`` if the flag is set.
 
     Returns:

@@ -3,7 +3,7 @@
 ancestor rows and the retrieve_index / next_token / next_sibling links of ``verify_tree_greedy``.
 
 No host sync when ``seq_lens_sum`` (the scheduler's host-side ``sum(seq_lens)``) is passed; without it the
-launcher reads the sum from the device (one sync, documented). A malformed tree sets bit 128 of
+launcher reads the sum from the device (one sync, documented). A malformed tree sets ``ERR_BAD_TREE`` in
 ``error_flag`` (``TOPK_ERRORS``).
 """
 
@@ -92,7 +92,7 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
         seq_lens_sum: host int ``sum(seq_lens)``; sizes the FULL_MASK without a sync (else one sync).
         out: preallocated ``alloc_verify_inputs`` buffers (views of the right sizes are returned).
         fill_prefix: write the True prefix columns (False: the mask buffer already holds True there).
-        error_flag / check: as ``build_trees`` (bit 128: malformed tree).
+        error_flag / check: as ``build_trees`` (``ERR_BAD_TREE``: malformed tree).
     """
     import torch
 
