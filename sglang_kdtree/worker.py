@@ -159,22 +159,6 @@ class KDTreeWorker(DFlashWorkerV2):
         with self._draft_geometry(self.block_size):
             super().init_cuda_graphs()
 
-    @staticmethod
-    @contextmanager
-    def _draft_geometry(block_size: int):
-        from sglang.srt.runtime_context import get_spec
-
-        with get_spec().override(speculative_num_draft_tokens=int(block_size), speculative_eagle_topk=1):
-            yield
-
-    def init_attention_backends(self):
-        with self._draft_geometry(self.block_size):
-            super().init_attention_backends()
-
-    def init_cuda_graphs(self):
-        with self._draft_geometry(self.block_size):
-            super().init_cuda_graphs()
-
     def prewarm_sampling(self):
         """Rehearse KDTREE's own round bookkeeping at startup (not DFLASH's chain sampling verify, which
         KDTREE never runs): on CUDA ``prewarm.prewarm_round``; elsewhere SGLang's own rehearsal."""
