@@ -377,6 +377,23 @@ __device__ int load_tree(const i64* parents, const i64* num_nodes, int b, int N,
   return (int)n;
 }
 
+// Prologue of the walks over logits: the request's error bits zeroed, its tree loaded (load_tree; a barrier
+// before and after). Returns num_nodes, clamped.
+__device__ __forceinline__ int begin_walk(const i64* parents, const i64* num_nodes, int b, int N, short* par,
+                                          int* s_err) {
+  if (threadIdx.x == 0) *s_err = 0;
+  __syncthreads();
+  const int n = load_tree(parents, num_nodes, b, N, par, s_err);
+  __syncthreads();
+  return n;
+}
+
+// 16-byte row loads are possible: every row starts 16-byte aligned.
+template <typename Elem>
+__device__ __forceinline__ bool rows_aligned(const Elem* logits, i64 ld) {
+  return (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
+}
+
 // Writes the padding after the walk: accepted[tau..M) = -1, committed[tau..C) = -1.
 __device__ void finish(int b, int tau, int cur, i64 bonus, int M, int C, const i64* seq_lens, i64* accepted,
                        i64* accept_lens, i64* bonus_out, i64* committed, i64* new_seq_lens, const int* s_err,
@@ -449,12 +466,9 @@ __device__ void accept_logits_impl(const i64* tokens, const i64* parents, const 
   __shared__ SampleScratch scratch;
   const int b = blockIdx.x;
   int* errors = &s_err;
-  if (threadIdx.x == 0) s_err = 0;
-  __syncthreads();
-  const int n = load_tree(parents, num_nodes, b, N, par, errors);
-  __syncthreads();
+  const int n = begin_walk(parents, num_nodes, b, N, par, errors);
   const i64* tok = tokens + (i64)b * N;
-  const bool vec_ok = (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
+  const bool vec_ok = rows_aligned(logits, ld);
   float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
   i64 top_k = V;
   uint2 key = make_uint2(0, 0);
@@ -581,12 +595,9 @@ __device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents
   const bool leader = rank == 0;  // the block that writes the request's outputs
   const int b = blockIdx.x / GREEDY_CLUSTER;
   int* errors = &s_err;
-  if (threadIdx.x == 0) s_err = 0;
-  __syncthreads();
-  const int n = load_tree(parents, num_nodes, b, N, par, errors);
-  __syncthreads();
+  const int n = begin_walk(parents, num_nodes, b, N, par, errors);
   const i64* tok = tokens + (i64)b * N;
-  const bool vec_ok = (ld % (16 / sizeof(Elem))) == 0 && ((size_t)logits % 16) == 0;
+  const bool vec_ok = rows_aligned(logits, ld);
   if (leader && threadIdx.x == 0) accepted[(i64)b * M] = 0;
   int cur = 0, tau = 1;
   i64 choice = 0;
