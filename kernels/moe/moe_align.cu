@@ -14,17 +14,16 @@
 //
 // Negative ids are SGLang's "no expert" (padded tokens under CUDA graphs): the route is dropped and its
 // output row is never written. An id >= num_experts is a caller bug: the route is dropped and bit 512 is
-// OR-ed into errors[0] (sglang_kdtree.moe.routing.ERR_EXPERT_ID); with fresh_errors the kernel owns the
-// flag and writes it whole (0 or 512), which saves the caller a zero-fill launch.
+// OR-ed into errors[0] (ERR_EXPERT_ID of common.cuh; sglang_kdtree.moe.routing.ERR_EXPERT_ID); with
+// fresh_errors the kernel owns the flag and writes it whole (0 or 512), which saves the caller a zero-fill
+// launch.
 //
 // One CTA does everything: routes are at most a few thousand at verify widths and ~100k in a prefill
 // chunk, and a single CTA needs no grid-wide barrier between count, scan and scatter.
 
-#define ERR_EXPERT_ID 512
+#include "common.cuh"
 
 #define FULL_MASK 0xffffffffu
-
-typedef long long i64;
 
 // Exclusive block-wide scan of one int per thread (blockDim.x a multiple of 32, at most 1024).
 __device__ int block_exclusive_scan(int value, int* warp_totals, int* total) {

@@ -7,10 +7,10 @@
 // outside [0, num_experts) were dropped by moe_align.cu: their rows were never written, so they are
 // skipped here (a token with no live route gets zeros).
 //
-// bf16 travels as its 16-bit pattern (helpers in common.cuh); each thread owns 8 consecutive columns of one
-// token (16-byte loads), K % 8 == 0 is checked by the Python launcher.
+// bf16 travels as its 16-bit pattern (helpers in kernels/common.cuh); each thread owns 8 consecutive
+// columns of one token (16-byte loads), K % 8 == 0 is checked by the Python launcher.
 
-#include "moe/common.cuh"
+#include "common.cuh"
 
 template <typename Id>
 __device__ void moe_topk_sum_impl(const bf16_t* __restrict__ routed, const Id* __restrict__ topk_ids,
