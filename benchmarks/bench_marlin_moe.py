@@ -14,7 +14,17 @@ ROTATE x REPEAT calls (device time, what SGLang's graph replay sees) and around 
 (adds Python + launch overhead). Sanity: per-token relative error of ours and of the bf16 path vs the
 fp32 float reference (tests/gpu/test_marlin_moe_gpu.py is the correctness gate).
 
-    python benchmarks/bench_marlin_moe.py [--shapes tp8,tp1] [--tokens 1,8,32,65,130,260,520] [--json out.json]
+Which floor binds (issue 15, item 3: Marlin MoE at verify widths, 130 / 520 / 2080 tokens = batch 2 / 8 / 32
+x N 65): besides the INT4 weight floor, a compute floor = the call's useful tensor-core FLOPs
+(``moe_flops``: 2 x tokens x top_k x (hidden x 2 inter + inter x hidden), Marlin's block padding not counted)
+/ ``BF16_PEAK_FLOPS``. The larger of the two binds; "% bound" = binding floor / ours. The stage split
+(``--breakdown-tokens``) names the glue (every stage but the two Marlin GEMMs: align, SiLU-and-mul, top-k
+sum) and its share of the whole call, flagged where it is over ``GLUE_FLAG_SHARE``; a second table gives
+each stage's own floor (the GEMMs: their weights or FLOPs; SiLU and the top-k sum: the bytes they read and
+write) and the stage's % of it.
+
+    python benchmarks/bench_marlin_moe.py [--shapes tp8,tp1] [--tokens 1,8,32,65,130,260,520,2080]
+        [--breakdown-tokens 1,8,65,130,520,2080] [--rotate 8] [--repeat 4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,12 +38,22 @@ import time
 from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
 
 SHAPES = {"tp8": (384, 7168, 256), "tp1": (384, 7168, 2048)}
-TOKENS = (1, 8, 32, 65, 130, 260, 520)
+TOKENS = (1, 8, 32, 65, 130, 260, 520, 2080)
+VERIFY_TOKENS = (130, 520, 2080)  # tree verify of batch 2 / 8 / 32 x N 65 (issue 15, item 3)
 TOP_K = 8
 FACTOR = 2.827  # Kimi K2's routed_scaling_factor
 ROTATE = 8
 REPEAT = 4
-BREAKDOWN_TOKENS = (1, 8, 65)  # token counts whose time is also split by stage
+BREAKDOWN_TOKENS = (1, 8, 65, *VERIFY_TOKENS)  # token counts whose time is also split by stage
+GROUP = 32  # INT4 scale group along the input dimension
+#: Dense (no 2:4 sparsity) bf16 tensor-core peak of one H200 SXM, FLOP/s. NVIDIA's H200 datasheet lists "BF16
+#: Tensor Core 1,979 TFLOPS" with sparsity, i.e. 989 TFLOP/s dense; the same figure as the H100 SXM (132 SMs x
+#: 4 tensor cores x 512 bf16 FMA/clk = 4096 FLOP/clk/SM, at the 1.83 GHz boost clock = 989.4e12). Reachable
+#: only with Hopper's wgmma; Marlin issues Ampere-style mma.sync, which tops out well below it.
+BF16_PEAK_FLOPS = 989e12
+GLUE_STAGES = ("align", "silu", "topk_sum")  # every stage of fused_moe_marlin but the two Marlin GEMMs
+GEMM_STAGES = ("gemm1", "gemm2")
+GLUE_FLAG_SHARE = 0.10  # issue 15: improve the glue where it is more than 10 % of the call
 DEVICE = "cuda"  # a CPU smoke test of this script's plumbing swaps it (and torch.cuda's timing objects)
 
 
@@ -75,9 +95,58 @@ def graph_or_eager_us(fns, what: str):
         return cuda_time_us(lambda: [f() for _ in range(REPEAT) for f in fns], calls), "eager"
 
 
-def expert_bytes(K: int, N: int, group: int = 32) -> int:
+def expert_bytes(K: int, N: int, group: int = GROUP) -> int:
     """Bytes one expert's weights occupy in the INT4 checkpoint layout: packed gate|up and down + bf16 scales."""
-    return (K * 2 * N + N * K) // 2 + (K // group * 2 * N + N // group * K) * 2
+    return gemm_weight_bytes(K, 2 * N, group) + gemm_weight_bytes(N, K, group)
+
+
+def gemm_weight_bytes(size_in: int, size_out: int, group: int = GROUP) -> int:
+    """Bytes of one expert's INT4 ``[size_in, size_out]`` matrix: packed nibbles + bf16 scale per group of inputs."""
+    return size_in * size_out // 2 + size_in // group * size_out * 2
+
+
+def moe_flops(tokens: int, top_k: int, K: int, N: int) -> float:
+    """Useful tensor-core FLOPs of one call: every route runs gate|up (K x 2N) and down (N x K), 2 FLOPs per
+    multiply-add (Marlin's padding of each expert's rows up to its block height is not counted)."""
+    return 2.0 * tokens * top_k * (K * 2 * N + N * K)
+
+
+def bound_by(weight_floor_us: float, flops: float, ours_us: float, peak: float = BF16_PEAK_FLOPS) -> dict:
+    """Which floor binds a call: the INT4 weight floor (``weight_floor_us``) or the compute floor (``flops`` at
+    ``peak`` FLOP/s), whichever is larger, and ``ours_us`` as a % of it (binding floor / ours)."""
+    compute_us = flops / peak * 1e6
+    bound = "compute" if compute_us > weight_floor_us else "weights"
+    floor = max(compute_us, weight_floor_us)
+    return {"compute_floor_us": compute_us, "bound": bound, "bound_floor_us": floor,
+            "pct_bound": 100 * floor / ours_us, "tflops": flops / ours_us * 1e-6}
+
+
+def stage_floors_us(tokens: int, top_k: int, K: int, N: int, experts: float, bw: float,
+                    peak: float = BF16_PEAK_FLOPS) -> dict:
+    """Each stage's own floor in microseconds: the GEMMs' larger of weight bytes (``experts`` touched) / ``bw``
+    and FLOPs / ``peak``; SiLU-and-mul and the top-k sum: the bf16 bytes they read and write / ``bw`` (align is
+    launch-bound: no floor)."""
+    routes = tokens * top_k
+    w1, w2 = experts * gemm_weight_bytes(K, 2 * N), experts * gemm_weight_bytes(N, K)
+    f1, f2 = 2.0 * routes * K * 2 * N, 2.0 * routes * N * K
+    return {
+        "gemm1": max(w1 / bw, f1 / peak) * 1e6,
+        "silu": (routes * 2 * N + routes * N) * 2 / bw * 1e6,
+        "gemm2": max(w2 / bw, f2 / peak) * 1e6,
+        "topk_sum": (routes * K + tokens * K) * 2 / bw * 1e6,
+    }
+
+
+def glue_split(stages_us: dict, whole_us: float, flag_share: float = GLUE_FLAG_SHARE) -> dict:
+    """The glue's share of a call: each of ``GLUE_STAGES``' time (on its own) as a % of the whole call, their
+    sum, the GEMMs' sum, the rest (whole call minus every stage: launch gaps, allocation; negative when the
+    stages overlap in the whole call) and ``flag`` = glue over ``flag_share`` of the call."""
+    glue = sum(stages_us[k] for k in GLUE_STAGES)
+    gemms = sum(stages_us[k] for k in GEMM_STAGES)
+    out = {f"{k}_pct": 100 * stages_us[k] / whole_us for k in GLUE_STAGES}
+    out.update(glue_us=glue, glue_pct=100 * glue / whole_us, gemm_us=gemms, gemm_pct=100 * gemms / whole_us,
+               rest_us=whole_us - glue - gemms, flag=glue > flag_share * whole_us)
+    return out
 
 
 def bf16_experts(packed):
@@ -209,18 +278,26 @@ def run_shape(name, tokens, bw, rows, check_tokens):
         row["ours_eager_us"] = cuda_time_us(lambda: [f() for _ in range(REPEAT) for f in ours_fns], calls)
         row["floor_us"] = touched * per_expert / bw * 1e6
         row["pct_floor"] = 100 * row["floor_us"] / row["ours_graph_us"]
+        row["flops"] = moe_flops(M, TOP_K, K, N)
+        row.update(bound_by(row["floor_us"], row["flops"], row["ours_graph_us"]))
         row["x_vs_bf16"] = row["bf16_graph_us"] / row["ours_graph_us"]
         other = [m for m in fwd.REDUCE_MODES if m != default][0]
         print(f"  {name} M={M:4d} experts={touched:6.1f} floor={row['floor_us']:8.1f}us ours={row['ours_graph_us']:8.1f}us "
               f"({row['pct_floor']:5.1f}% of floor, {default} reduce; {other} reduce {row[other + '_graph_us']:.1f}us) "
               f"bf16={row['bf16_graph_us']:8.1f}us ({row['x_vs_bf16']:.2f}x) "
-              f"eager={row['ours_eager_us']:8.1f}us rel(ours,bf16)={row['rel_ours_vs_bf16']:.2e}"
+              f"eager={row['ours_eager_us']:8.1f}us compute floor={row['compute_floor_us']:.1f}us "
+              f"({row['bound']} bind: {row['pct_bound']:.1f}%, {row['tflops']:.0f} TFLOP/s) "
+              f"rel(ours,bf16)={row['rel_ours_vs_bf16']:.2e}"
               + ("".join(f" rel({m},ref)={row['rel_' + m]:.2e}" for m in fwd.REDUCE_MODES)
                  + f" rel(bf16,ref)={row['rel_bf16']:.2e}" if "rel_ours" in row else ""),
               flush=True)
         if M in BREAKDOWN_TOKENS:
             row["stages_us"] = stage_breakdown(marlin, cases, default)
-            print("    stages: " + ", ".join(f"{k} {v:.1f}us" for k, v in row["stages_us"].items()), flush=True)
+            row["stage_floors_us"] = stage_floors_us(M, TOP_K, K, N, touched, bw)
+            row["glue"] = glue_split(row["stages_us"], row["ours_graph_us"])
+            print("    stages: " + ", ".join(f"{k} {v:.1f}us" for k, v in row["stages_us"].items())
+                  + f"; glue {row['glue']['glue_us']:.1f}us = {row['glue']['glue_pct']:.1f}% of the call"
+                  + (" (over 10%)" if row["glue"]["flag"] else ""), flush=True)
         rows.append(row)
     del packed, marlin, w13, w2
     torch.cuda.empty_cache()
@@ -267,7 +344,7 @@ def stage_breakdown(marlin, cases, reduce) -> dict:
     return result
 
 
-def print_table(rows, bw, device):
+def print_table(rows, bw, device, matmul_flops=None):
     print()
     print(f"device: {device}; HBM copy bandwidth {bw / 1e12:.2f} TB/s; ours = graph replay with the default reduce; "
           "targets: >= 60% of floor and >= 3x bf16 at <= 65 tokens")
@@ -286,17 +363,52 @@ def print_table(rows, bw, device):
     if split:
         names = list(split[0]["stages_us"])
         print()
-        print(f"stages on their own (graph replay, us, {split[0]['ours_reduce']} reduce)")
-        print("| shape | tokens | " + " | ".join(names) + " | whole call |")
-        print("|---|---|" + "---|" * (len(names) + 1))
+        print(f"stages on their own (graph replay, us, {split[0]['ours_reduce']} reduce); glue = "
+              f"{' + '.join(GLUE_STAGES)} (everything but the two Marlin GEMMs), % of the whole call; "
+              f"rest = whole call - every stage; flag: glue > {GLUE_FLAG_SHARE:.0%} of the call")
+        print("| shape | tokens | " + " | ".join(names) + " | whole call | "
+              + " | ".join(f"{k} %" for k in GLUE_STAGES) + " | glue us | glue % | GEMMs % | rest us | glue > "
+              f"{GLUE_FLAG_SHARE:.0%} |")
+        print("|---|---|" + "---|" * (len(names) + len(GLUE_STAGES) + 6))
         for r in split:
+            g = r.get("glue") or glue_split(r["stages_us"], r["ours_graph_us"])
             print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r['stages_us'][k]:.1f}" for k in names)
-                  + f" | {r['ours_graph_us']:.1f} |")
+                  + f" | {r['ours_graph_us']:.1f} | " + " | ".join(f"{g[k + '_pct']:.1f}" for k in GLUE_STAGES)
+                  + f" | {g['glue_us']:.1f} | {g['glue_pct']:.1f} | {g['gemm_pct']:.1f} | {g['rest_us']:.1f} | "
+                  + ("**YES**" if g["flag"] else "no") + " |")
+        floored = [r for r in split if "stage_floors_us" in r]
+        if floored:
+            fnames = list(floored[0]["stage_floors_us"])
+            print()
+            print("each stage vs its own floor (us floor / % of it reached): GEMMs = max(INT4 weight bytes of the "
+                  "touched experts / bandwidth, FLOPs / peak); silu, topk_sum = bf16 bytes read + written / bandwidth")
+            print("| shape | tokens | " + " | ".join(fnames) + " |")
+            print("|---|---|" + "---|" * len(fnames))
+            for r in floored:
+                cells = (f"{r['stage_floors_us'][k]:.1f} / {100 * r['stage_floors_us'][k] / r['stages_us'][k]:.0f}%"
+                         for k in fnames)
+                print(f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells) + " |")
     small = [r for r in rows if r["tokens"] <= 65]
     if small:
         ok_floor = all(r["pct_floor"] >= 60 for r in small)
         ok_bf16 = all(r["x_vs_bf16"] >= 3 for r in small)
         print(f"targets at <= 65 tokens: floor {'met' if ok_floor else 'MISSED'}, bf16 {'met' if ok_bf16 else 'MISSED'}")
+    bound = [r for r in rows if "bound" in r]
+    if bound:
+        print()
+        measured = f"; measured cuBLAS bf16 matmul {matmul_flops / 1e12:.0f} TFLOP/s" if matmul_flops else ""
+        print(f"binding floor: weights = INT4 bytes of the touched experts / {bw / 1e12:.2f} TB/s copy bandwidth; "
+              "compute = 2 x tokens x top_k x (hidden x 2 inter + inter x hidden) FLOPs / "
+              f"{BF16_PEAK_FLOPS / 1e12:.0f} TFLOP/s (dense bf16 tensor-core peak, NVIDIA H200 SXM datasheet){measured}; "
+              "% bound = binding floor / ours")
+        print("| shape | tokens | experts | weight floor us | compute floor us | binds | ours us | "
+              "% of binding floor | TFLOP/s | glue % |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in bound:
+            glue = f"{r['glue']['glue_pct']:.1f}" + (" (>10%)" if r["glue"]["flag"] else "") if "glue" in r else "-"
+            print(f"| {r['shape']} | {r['tokens']} | {r['experts']:.1f} | {r['floor_us']:.1f} | "
+                  f"{r['compute_floor_us']:.1f} | {r['bound']} | {r['ours_graph_us']:.1f} | {r['pct_bound']:.0f}% | "
+                  f"{r['tflops']:.0f} | {glue} |")
 
 
 SWEEP_SHAPES = {"small": (8, 256, 128, 2), "tp8": (384, 7168, 256, 8)}
@@ -343,16 +455,40 @@ def accuracy_sweep(draws: int, tokens=(1, 8, 65)) -> list:
     return out
 
 
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of one cuBLAS ``n x n x n`` matmul (median of 10): what a dense GEMM reaches on this device,
+    printed next to ``BF16_PEAK_FLOPS`` (the compute floor uses the datasheet peak)."""
+    import torch
+
+    a = torch.randn((n, n), device="cuda").to(torch.bfloat16)
+    b = torch.randn((n, n), device="cuda").to(torch.bfloat16)
+    c = torch.empty((n, n), dtype=torch.bfloat16, device="cuda")
+    us = cuda_time_us(lambda: torch.mm(a, b, out=c), trials=10, warmup=3)
+    return 2.0 * n**3 / (us * 1e-6)
+
+
+def int_list(text: str) -> list:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
 def main(argv=None) -> int:
+    global BREAKDOWN_TOKENS, REPEAT, ROTATE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="tp8,tp1")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                        help=f"token counts (verify widths: {','.join(map(str, VERIFY_TOKENS))})")
+    parser.add_argument("--breakdown-tokens", default=",".join(map(str, BREAKDOWN_TOKENS)),
+                        help="token counts whose time is also split by stage (glue share, stage floors)")
+    parser.add_argument("--rotate", type=int, default=ROTATE, help="routings/inputs cycled through per timed pass")
+    parser.add_argument("--repeat", type=int, default=REPEAT, help="passes over the rotation in one CUDA graph")
     parser.add_argument("--check-tokens", default="1,65,520",
                         help="token counts also checked against the fp32 reference (slow at TP 1)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--sweep", type=int, default=0,
                         help="also run the accuracy sweep with this many random draws per case (0 = skip)")
     args = parser.parse_args(argv)
+    BREAKDOWN_TOKENS = tuple(int_list(args.breakdown_tokens))
+    ROTATE, REPEAT = max(1, args.rotate), max(1, args.repeat)
     import torch
 
     from sglang_kdtree.moe import jit
@@ -363,9 +499,11 @@ def main(argv=None) -> int:
     print(f"Marlin kernels ready in {jit.ensure_marlin_kernels('bfloat16'):.1f} s", flush=True)
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
-    print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    tokens = [int(t) for t in args.tokens.split(",") if t]
-    check = {int(t) for t in args.check_tokens.split(",") if t}
+    mm = matmul_rate()
+    print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s; cuBLAS bf16 matmul {mm / 1e12:.0f} TFLOP/s "
+          f"(compute floor uses the datasheet {BF16_PEAK_FLOPS / 1e12:.0f})", flush=True)
+    tokens = int_list(args.tokens)
+    check = set(int_list(args.check_tokens))
     rows = []
 
     def stop(signum, frame):  # `timeout` sends SIGTERM: still write and print what was measured
@@ -383,8 +521,10 @@ def main(argv=None) -> int:
     finally:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": device, "bandwidth": bw, "rows": rows, "sweep": sweep}, f, indent=1)
-        print_table(rows, bw, device)
+                json.dump({"device": device, "bandwidth": bw, "rows": rows, "sweep": sweep,
+                           "peak_flops": BF16_PEAK_FLOPS, "matmul_flops": mm, "rotate": ROTATE, "repeat": REPEAT},
+                          f, indent=1)
+        print_table(rows, bw, device, mm)
     return 0
 
 
