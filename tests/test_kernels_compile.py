@@ -86,3 +86,20 @@ def test_top_level_kernels_include_only_headers():
     for path in pathlib.Path(runtime.kernels_dir()).glob("*.cu*"):
         for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
             assert inc.endswith(".cuh"), f"{path.name} includes {inc}: only headers may be included"
+
+
+def test_compile_source_carries_the_headers_digest(tmp_path, monkeypatch):
+    """CuPy caches compiled kernels by source text: a header-only change must still change what is compiled."""
+    (tmp_path / "k.cu").write_text('#include "common.cuh"\n')
+    (tmp_path / "common.cuh").write_text("#define X 1\n")
+    monkeypatch.setattr(runtime, "kernels_dir", lambda: tmp_path)
+    runtime.headers_digest.cache_clear()
+    try:
+        first = runtime.compile_source("k.cu")
+        (tmp_path / "common.cuh").write_text("#define X 2\n")
+        runtime.headers_digest.cache_clear()
+        second = runtime.compile_source("k.cu")
+    finally:
+        runtime.headers_digest.cache_clear()
+    assert first != second
+    assert first.endswith('#include "common.cuh"\n') and second.endswith('#include "common.cuh"\n')

@@ -10,8 +10,8 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "load_module", "as_cupy", "current_stream",
-           "require_cuda", "device_ptr"]
+__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module", "as_cupy",
+           "current_stream", "require_cuda", "device_ptr"]
 
 
 @functools.cache
@@ -70,7 +70,28 @@ def load_module(name: str, options: tuple[str, ...] = ()):
     import cupy
 
     opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}") + tuple(options)
-    return cupy.RawModule(code=kernel_source(name), options=opts, name_expressions=None)
+    return cupy.RawModule(code=compile_source(name), options=opts, name_expressions=None)
+
+
+@functools.cache
+def headers_digest() -> str:
+    """sha256 of every ``.cuh`` under the kernels folder (names and contents), once per process."""
+    import hashlib
+
+    h = hashlib.sha256()
+    root = kernels_dir()
+    for path in sorted(root.rglob("*.cuh")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def compile_source(name: str) -> str:
+    """What NVRTC compiles for ``kernels/<name>``: its text after a comment naming the digest of the headers.
+
+    CuPy's on-disk kernel cache is keyed by the source text and the options, not by what the source
+    ``#include``s; without the digest, an upgrade that changed only a header (``common.cuh``) would load the
+    kernels compiled from the old one."""
+    return f"// kernels/*.cuh sha256 {headers_digest()}\n" + kernel_source(name)
 
 
 @functools.lru_cache(maxsize=64)
