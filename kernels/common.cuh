@@ -1,4 +1,4 @@
-// Shared by every top-level kernel: the integer types, the one device error-flag table and the bf16 helpers.
+// Shared by every kernel (kernels/moe/ included): the integer types, the one device error-flag table and the bf16 helpers.
 //
 // No system includes: NVRTC's default include path has no cuda_bf16.h / math.h everywhere, so bf16 travels
 // as its 16-bit pattern and is widened / rounded by hand. Included as "common.cuh" (the runtime passes the
@@ -31,7 +31,7 @@ typedef unsigned short bf16_t;
 #define ERR_BAD_PATH (1 << 6)         // accept_lens / accepted not a valid path inside the verify window
 #define ERR_BAD_SLOT (1 << 7)         // a KV source or destination slot outside [0, num_slots); request skipped
 #define ERR_BAD_HIDDEN_ROW (1 << 8)   // a hidden-state row index outside [0, rows); that output row is zeroed
-// MoE routing (moe/moe_align.cu keeps its own #define of the same value)
+// MoE routing (moe/moe_align.cu)
 #define ERR_EXPERT_ID (1 << 9)        // a routed expert id outside [0, num_experts); the route is dropped
 // tree construction (topk_*.cu, best_first_tree.cu, verify_inputs.cu; int32 [1] flag)
 #define ERR_LOGITS_NAN (1 << 10)      // NaN in the drafter's logits

@@ -25,8 +25,8 @@ __all__ = ["REDUCE_MODES", "DEFAULT_REDUCE", "marlin_gemm", "fused_moe_marlin"]
 #: atomicAdd of every slice into the output (SGLang's choice on sm_90: one rounding per slice, order
 #: depends on scheduling).
 REDUCE_MODES = ("fp32", "atomic")
-#: The default. Measured on the H200 (benchmarks/RESULTS.md): "atomic" exceeds issue 7's 1e-2 relative-error
-#: bar on 23-40% of random draws at hidden 256 / 65 tokens and reaches 1.05e-2 at Kimi TP 8 / 1 token, while
+#: The default. Measured on the H200 (benchmarks/RESULTS.md): "atomic" exceeds the 1e-2 relative-error
+#: bar of tests/gpu/test_marlin_moe_gpu.py (REL_TOL) on 23-40% of random draws at hidden 256 / 65 tokens and reaches 1.05e-2 at Kimi TP 8 / 1 token, while
 #: "fp32" stays within 8.8e-3 everywhere (the bf16 model's own level); the two take the same time at 8 or more
 #: tokens (every tree verify) and "atomic" wins only at 1 token (27 vs 43 us at TP 8).
 DEFAULT_REDUCE = "fp32"
