@@ -38,13 +38,10 @@ _SMEM_LIMIT = 227 * 1024
 
 @dataclass(frozen=True)
 class GpuTreeBatch:
-    """``reference.TreeBatch`` on the GPU (torch CUDA tensors), padded to ``N = budget + 1`` rows.
+    """``reference.TreeBatch`` on the GPU: its fields (``tokens``, ``depths``, ``parents``, ``num_nodes``; same
+    shapes, dtypes and padding to ``N = budget + 1`` rows) as torch CUDA tensors, plus
 
     Attributes:
-        tokens: ``[bs, N]`` int64; column 0 is the root token, padding rows hold 0.
-        depths: ``[bs, N]`` int64; 0 for the root and padding.
-        parents: ``[bs, N]`` int64; -1 for the root and padding.
-        num_nodes: ``[bs]`` int64 nodes per request besides the root.
         ranks: ``[bs, N]`` int64 rank of each node within its depth's top-K (-1 root/padding).
         scores: ``[bs, N]`` float64 path scores (0 root/padding), bit-identical to ``reference.build_tree``.
     """
