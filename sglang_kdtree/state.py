@@ -7,8 +7,8 @@ an algorithm name itself. Imports nothing heavy (no torch, no SGLang), so any mo
 * ``MAX_BUDGET`` / ``MAX_WIDTH``: the largest node budget B and verify width N = B + 1 (the kernels' shared
   memory trees and the verify masks are sized by them).
 * ``Geometry``: one process's budget, draft block and vocabulary, and what follows from them (verify width,
-  draft depths, the per-round KV reservation). The worker ``publish``es it once at startup; the patches read
-  ``active()`` (None: this process runs no KDTREE worker).
+  draft depths, the per-round KV reservation, the most tokens a round commits). The worker ``publish``es it
+  once at startup; the patches read ``active()`` (None: this process runs no KDTREE worker).
 """
 
 from __future__ import annotations
