@@ -32,14 +32,13 @@ import functools
 from dataclasses import dataclass
 
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.errors import raise_on_device_error
+from sglang_kdtree.gpu.runtime import device_ptr as _ptr
+from sglang_kdtree.state import MAX_WIDTH  # verify width limit of the kernel's shared-memory tree
 
 __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "accept_storage_numel", "carve_accept_result",
            "MAX_WIDTH", "MAX_VOCAB"]
 
-#: verify width limit of the kernel's shared-memory tree (reference.MAX_BUDGET + 1)
-from sglang_kdtree.state import MAX_WIDTH  # noqa: E402
 #: vocabulary limit of the sampler's fixed-point weights (a row's weights sum below 2^63)
 MAX_VOCAB = 1 << 19
 _ACCEPT_THREADS_IDS = 256

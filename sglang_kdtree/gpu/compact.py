@@ -23,6 +23,7 @@ from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 from sglang_kdtree.gpu.errors import new_error_flag
+from sglang_kdtree.state import MAX_WIDTH as _MAX_ROWS  # rows per request: the verify width
 
 __all__ = [
     "GPUCommitPlan",
@@ -38,7 +39,6 @@ _COMPACT_THREADS = 256  # = COMPACT_THREADS in kv_compact.cu
 #: blocks resident at once on an H200 (132 SMs x 4 compaction blocks); several waves balance the tail
 _RESIDENT_BLOCKS = 132 * 4
 _GATHER_THREADS = 128
-from sglang_kdtree.state import MAX_WIDTH as _MAX_ROWS  # noqa: E402  (rows per request: the verify width)
 #: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
 _TARGET_BLOCKS = 4 * 132
 

@@ -24,6 +24,9 @@ import numpy as np
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
+#: the one device error table (gpu.errors, mirroring kernels/common.cuh)
+from sglang_kdtree.gpu.errors import TREE_ERRORS as TOPK_ERRORS
+from sglang_kdtree.state import MAX_BUDGET as MAX_K  # K <= B
 
 __all__ = [
     "TOPK_ERRORS",
@@ -39,7 +42,6 @@ __all__ = [
 CHUNK_COLS = 8192  # columns per block of topk_chunk_* (CHUNK_THREADS * CHUNK_ELEMS in the .cu)
 CHUNK_THREADS = 512
 MERGE_THREADS = 1024
-from sglang_kdtree.state import MAX_BUDGET as MAX_K  # noqa: E402  (K <= B)
 MAX_SHARD_CANDIDATES = 8192  # S * Ks sorted in shared memory by topk_merge_shards (64 KiB)
 _KERNEL = "topk_logsumexp.cu"  # the cut-based top-K kernel and the TP shard merge
 _HIST_KERNEL = "topk_histogram.cu"  # streaming-histogram top-K
@@ -53,8 +55,6 @@ HIST_BINS = 4096  # 12-bit key histogram per row
 HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more -> whole-row exact select
 
 #: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs): their part of
-#: the one device error table (gpu.errors, mirroring kernels/common.cuh)
-from sglang_kdtree.gpu.errors import TREE_ERRORS as TOPK_ERRORS  # noqa: E402
 
 
 def new_error_flag(device):
@@ -262,7 +262,7 @@ def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out
 
     Args:
         logits: ``[..., V]`` bf16 or fp32 CUDA tensor (``[bs, L, V]`` draft logits), contiguous along V.
-        k: requested K (the node budget), ``1 <= k <= 1024``.
+        k: requested K (the node budget), ``1 <= k <= MAX_K`` (``state.MAX_BUDGET``).
         workspace: preallocated ``TopKWorkspace`` (else one is allocated).
         out: optional ``(logprobs float32, ids int64)`` flat buffers of at least ``rows*K`` elements.
         error_flag: ``int32 [1]`` CUDA tensor receiving error bits (NaN 1, +inf 2, all -inf row 4).

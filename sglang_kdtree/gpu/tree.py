@@ -25,10 +25,10 @@ from sglang_kdtree.gpu.topk import (
     raise_on_flag,
     topk_logprobs,
 )
+from sglang_kdtree.state import MAX_BUDGET
 
 __all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
 
-from sglang_kdtree.state import MAX_BUDGET  # noqa: E402
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
 _STATIC_SMEM = 34560  # static shared memory of build_trees_kernel (34464 B on the H200, rounded up), for the dynamic-size opt-in
@@ -96,7 +96,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     Args:
         logprobs: ``[bs, L, K]`` float32 CUDA, each row sorted descending (``topk_logprobs``), L <= 31.
         token_ids: ``[bs, L, K]`` int64 CUDA.
-        budget: node budget B (same for the batch), ``B <= 1024``; ``B <= 0`` or ``L == 0``: root only.
+        budget: node budget B (same for the batch), ``B <= MAX_BUDGET``; ``B <= 0`` or ``L == 0``: root only.
         root_tokens: ``[bs]`` int64 CUDA, each request's bonus token (node 0).
         out: a preallocated ``GpuTreeBatch`` whose buffers hold at least ``bs * (B+1)`` rows (written as
             contiguous ``[bs, B+1]`` views); else one is allocated.

@@ -15,11 +15,11 @@ import numpy as np
 
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import _ptr, _require_cuda, new_error_flag, raise_on_flag
+from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH
 
 __all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
-from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
 
     Args:
         trees: ``GpuTreeBatch`` (or any object with ``tokens``/``depths``/``parents`` ``[bs, N]`` int64 and
-            ``num_nodes`` ``[bs]`` int64 CUDA tensors), N <= 1025.
+            ``num_nodes`` ``[bs]`` int64 CUDA tensors), N <= ``state.MAX_WIDTH``.
         seq_lens: ``[bs]`` int64 CUDA committed lengths P (the root sits at position P), >= 0.
         seq_lens_sum: host int ``sum(seq_lens)``; sizes the FULL_MASK without a sync (else one sync).
         out: preallocated ``alloc_verify_inputs`` buffers (views of the right sizes are returned).
