@@ -271,6 +271,20 @@ def test_harness_first_mismatch(cs):
     assert "index 2" in cs.first_mismatch(a, c)
 
 
+def test_harness_logprob_pair(cs):
+    def rec(ids, lps):
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+
+    same = cs.logprob_pair([rec([1, 2], [-0.5, -1.0])], [rec([1, 2], [-0.52, -1.0])])
+    assert same["ids_identical"] and same["error"] is None and abs(same["max_abs_diff"] - 0.02) < 1e-9
+    other = cs.logprob_pair([rec([1, 2], [-0.5, -1.0])], [rec([1, 3], [-0.5, -1.0])])
+    assert not other["ids_identical"]
+    missing = cs.logprob_pair([rec([1, 2], [-0.5, -1.0])], [rec([1, 2], [-0.5, None])])
+    assert missing["error"] and missing["max_abs_diff"] is None
+    table = cs.format_table({"servers": {}, "pairs": {}, "logprob_pairs": {"llama-float32-graph": same}})
+    assert "ids same" in table and "2.00e-02" in table
+
+
 def test_trace_records_first_call_per_op(tmp_path, monkeypatch):
     trace = tmp_path / "ops.txt"
     monkeypatch.setenv("KDTREE_STANDIN_TRACE", str(trace))

@@ -260,9 +260,33 @@ def greedy_payload(prompt: list[int]) -> dict:
     return {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
 
 
-def run_prompts(server: CudaServer, batch: list[list[int]]) -> list[dict]:
+def run_prompts(server: CudaServer, batch: list[list[int]], logprobs: bool = False) -> list[dict]:
+    def one(prompt):
+        payload = greedy_payload(prompt)
+        if logprobs:
+            payload["return_logprob"] = True
+        return server.generate(payload)
+
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
-        return list(pool.map(lambda p: server.generate(greedy_payload(p)), batch))
+        return list(pool.map(one, batch))
+
+
+#: prompts also served greedily with ``return_logprob`` by both servers of a pair (KDTREE's logprobs come from
+#: the verify forward's rows of the accepted path: ``spec_logprobs.py``)
+LOGPROB_PROMPTS = 8
+
+
+def logprob_pair(plain: list[dict], spec: list[dict]) -> dict:
+    """Ids identical, and the largest |difference| of the output tokens' logprobs (same tokens)."""
+    ids_same = [r["output_ids"] for r in plain] == [r["output_ids"] for r in spec]
+    diff = 0.0
+    for a, b in zip(plain, spec):
+        la = [t[0] for t in a["meta_info"]["output_token_logprobs"]]
+        lb = [t[0] for t in b["meta_info"]["output_token_logprobs"]]
+        if len(la) != len(lb) or any(x is None or y is None for x, y in zip(la, lb)):
+            return {"ids_identical": ids_same, "max_abs_diff": None, "error": "missing or unequal logprobs"}
+        diff = max([diff] + [abs(x - y) for x, y in zip(la, lb)])
+    return {"ids_identical": ids_same, "max_abs_diff": diff, "error": None}
 
 
 def first_mismatch(a: list[dict], b: list[dict]) -> str | None:
@@ -286,10 +310,11 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
     batch = batch or prompts()
     plan = [(v, kd, g) for v in variants_ for g in modes for kd in (False, True)]
     servers = start_servers(plan, log_dir)
-    summary: dict = {"servers": {}, "pairs": {}, "num_prompts": len(batch), "new_tokens": NEW_TOKENS}
+    summary: dict = {"servers": {}, "pairs": {}, "logprob_pairs": {}, "num_prompts": len(batch),
+                     "new_tokens": NEW_TOKENS}
     try:
         failed = wait_all(servers)
-        outputs = {}
+        outputs, logprob_outputs, logprob_errors = {}, {}, {}
         live = [n for n in servers if n not in failed]
         with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
             futures = {n: pool.submit(run_prompts, servers[n], batch) for n in live}
@@ -298,6 +323,13 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                     outputs[name] = fut.result()
                 except Exception as exc:  # noqa: BLE001  (recorded, reported, asserted by the caller)
                     failed[name] = f"{name}: generate failed: {exc!r}\n{servers[name].log_tail()}"
+            live = [n for n in live if n in outputs]
+            futures = {n: pool.submit(run_prompts, servers[n], batch[:LOGPROB_PROMPTS], True) for n in live}
+            for name, fut in futures.items():
+                try:
+                    logprob_outputs[name] = fut.result()
+                except Exception as exc:  # noqa: BLE001
+                    logprob_errors[name] = f"{name}: generate with logprobs failed: {exc!r}"
         for name, server in servers.items():
             log = server.log_text()
             trace = log_dir / f"standin-ops-{name}.txt"
@@ -335,6 +367,12 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                     summary["pairs"][key] = {"identical": mismatch is None, "mismatch": mismatch}
                 else:
                     summary["pairs"][key] = {"identical": None, "mismatch": "a server failed"}
+                if plain in logprob_outputs and spec in logprob_outputs:
+                    summary["logprob_pairs"][key] = logprob_pair(logprob_outputs[plain], logprob_outputs[spec])
+                else:
+                    summary["logprob_pairs"][key] = {"ids_identical": None, "max_abs_diff": None,
+                                                     "error": logprob_errors.get(spec) or logprob_errors.get(plain)
+                                                     or "a server failed"}
     finally:
         for server in servers.values():
             server.stop()
@@ -361,6 +399,10 @@ def format_table(summary: dict) -> str:
     for key, pair in summary["pairs"].items():
         verdict = {True: "IDENTICAL", False: "DIFFER", None: "NOT RUN"}[pair["identical"]]
         lines.append(f"kdtree vs plain {key:30s} {verdict}  {pair['mismatch'] or ''}"[:200])
+    for key, pair in summary.get("logprob_pairs", {}).items():
+        diff = pair["max_abs_diff"]
+        lines.append(f"logprobs, {LOGPROB_PROMPTS} prompts {key:27s} ids {'same' if pair['ids_identical'] else 'DIFFER'}"
+                     f"  max |dlogprob| {'-' if diff is None else f'{diff:.2e}'}  {pair['error'] or ''}"[:200])
     return "\n".join(lines)
 
 
@@ -385,7 +427,8 @@ def main(argv=None) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "table.txt").write_text(format_table(summary) + "\n")
     print(format_table(summary))
-    ok = all(p["identical"] for p in summary["pairs"].values())
+    ok = all(p["identical"] for p in summary["pairs"].values()) and all(
+        p["error"] is None and p["ids_identical"] for p in summary["logprob_pairs"].values())
     return 0 if ok else 1
 
 

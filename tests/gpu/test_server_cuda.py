@@ -81,6 +81,20 @@ def test_greedy_kdtree_identical_to_plain(comparison, model, mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("model", MODELS)
+def test_greedy_logprobs_served_and_close_to_plain(comparison, model, mode):
+    """``return_logprob`` on the CUDA KDTREE server: same ids as plain, logprobs of the same tokens close (they
+    come from the verify forward's rows, a different batch shape: bf16 targets differ in the last bits)."""
+    table, summary = comparison
+    if model not in table:
+        pytest.skip("KDTREE_KIMI_MODELS is not set")
+    pair = summary["logprob_pairs"][_names(table[model], mode)[2]]
+    assert pair["error"] is None, pair["error"]
+    assert pair["ids_identical"]
+    assert pair["max_abs_diff"] < (5e-2 if table[model].dtype == "bfloat16" else 1e-3), pair
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model", MODELS)
 def test_kdtree_server_ran_gpu_rounds(comparison, model, mode):
     """The KDTREE server said ``gpu backend`` at startup, wrote its round log, took multi-token steps, and
     verified more than one request per round."""
