@@ -82,15 +82,17 @@ def test_greedy_kdtree_identical_to_plain(comparison, model, mode):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("model", MODELS)
 def test_greedy_logprobs_served_and_close_to_plain(comparison, model, mode):
-    """``return_logprob`` on the CUDA KDTREE server: same ids as plain, logprobs of the same tokens close (they
-    come from the verify forward's rows, a different batch shape: bf16 targets differ in the last bits)."""
+    """``return_logprob`` on the CUDA KDTREE server: same ids as plain, logprobs of the same tokens close. They
+    come from the verify forward's rows, a different batch shape than plain decode's, so they differ in the last
+    bits: fp32 targets by < 1e-3 (measured <= 6.3e-4); bf16 ones by up to a couple of bf16 ulps of the logits
+    (0.125 at |logit| in [16, 32); measured <= 3.8e-2 at TP 1, 0.107 at TP 2)."""
     table, summary = comparison
     if model not in table:
         pytest.skip("KDTREE_KIMI_MODELS is not set")
     pair = summary["logprob_pairs"][_names(table[model], mode)[2]]
     assert pair["error"] is None, pair["error"]
     assert pair["ids_identical"]
-    assert pair["max_abs_diff"] < (5e-2 if table[model].dtype == "bfloat16" else 1e-3), pair
+    assert pair["max_abs_diff"] < (0.25 if table[model].dtype == "bfloat16" else 1e-3), pair
 
 
 @pytest.mark.parametrize("mode", list(MODES))
