@@ -16,10 +16,11 @@ import torch
 
 from sglang_kdtree import reference
 from sglang_kdtree.contract import AcceptResult, CommitPlan, Trees, VerifyInputs, move_kv_with_sglang
-from sglang_kdtree.gpu.errors import ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_TARGET_NAN
+from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_TARGET_NAN
 
-#: fault bits, shared with the kernels (``gpu.errors.DEVICE_ERRORS``): draft log-probs and target logits
-_DRAFT_NAN, _DRAFT_POSINF, _TARGET_NAN = ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_TARGET_NAN
+#: fault bits, shared with the kernels (``gpu.errors.DEVICE_ERRORS``): the draft logits (the bits the GPU top-K
+#: sets for the same fault) and the target logits
+_DRAFT_NAN, _DRAFT_POSINF, _TARGET_NAN = ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_TARGET_NAN
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_kdtree import pipeline, round_faults
-from sglang_kdtree.gpu.errors import ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF
+from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_LOGPROB_NAN
 from sglang_kdtree.round_log import RoundMarks
 
 
@@ -91,7 +91,7 @@ def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_i
     bad_draft[1, 2, 7] = float("nan")
     bad_draft[2, 0, 3] = float("inf")
     lp, ids = backend.topk(bad_draft, budget)
-    assert int(backend.tree_errors) == ERR_LOGPROB_NAN | ERR_LOGPROB_POSINF
+    assert int(backend.tree_errors) == ERR_LOGITS_NAN | ERR_LOGITS_POSINF  # the GPU top-K's bits
     assert torch.equal(lp[0], lp_c[0]) and torch.equal(ids[0], ids_c[0])
     assert bool(torch.isnan(lp[1]).all()) and bool(torch.isnan(lp[2]).all())
     trees = backend.build(lp, ids, budget, roots)
@@ -113,7 +113,7 @@ def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_i
     round_faults.end_faulty_requests(backend, batch, acc, plan, bad_draft)
     assert [r.to_finish is not None for r in batch.reqs] == [True, True, True]  # 0: target, 1-2: draft
     assert "NaN in a visited target logits row" in batch.reqs[0].to_finish.message
-    assert "draft: logprobs contains NaN" in batch.reqs[1].to_finish.message
+    assert "draft: logits contains NaN" in batch.reqs[1].to_finish.message
     assert int(backend.tree_errors) == 0
 
 
