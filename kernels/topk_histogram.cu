@@ -4,7 +4,9 @@
 // Twin of reference.topk_logprobs / shard_topk_partials (the TP merge stays in topk_logsumexp.cu). Two
 // launches, both on fixed preallocated workspaces (graph-capturable):
 //
-//   hist_pass   grid (C, R), 256 threads, 8192 columns per block, 16-byte loads. Per thread its largest and
+//   hist_pass   grid (C, R), 256 threads, 8192 columns per block (the *_g2 kernels, aligned bf16 rows of large
+//               batches: 16384, two 32-column groups per thread; the launcher's HIST_G2_MIN_BLOCKS), 16-byte
+//               loads. Per thread its largest and
 //               smallest value (NaN-propagating: the max screens for NaN / +inf); each warp sorts its 32
 //               thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps' ceil(K/8)-th
 //               largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th largest
@@ -58,13 +60,13 @@ __device__ __forceinline__ float elem_float(const u32* w, int e, float) { return
 
 // Loads group t of a chunk (thread t's columns; see group_col) into w; columns >= n read as 0.
 // FULL: the chunk has all H_COLS columns (no bounds checks).
-template <typename T, int VEC, bool FULL = false>
+template <typename T, int VEC, int GT, bool FULL = false>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words], int t) {
   constexpr int NV = H_ELEMS / VEC;
   constexpr int WPV = VEC * (int)sizeof(T) / 4;  // words per vector load (VEC > 1)
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    const int col0 = (j * H_THREADS + t) * VEC;
+    const int col0 = (j * GT + t) * VEC;
     if (VEC > 1 && (FULL || col0 + VEC <= n)) {
       const uint4 q = __ldg(reinterpret_cast<const uint4*>(row + col0));  // launcher guarantees alignment
       w[j * WPV] = q.x;
@@ -87,9 +89,9 @@ __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32
   }
 }
 
-template <int VEC>
+template <int VEC, int GT>
 __device__ __forceinline__ int group_col(int e, int t) {
-  return ((e / VEC) * H_THREADS + t) * VEC + (e % VEC);
+  return ((e / VEC) * GT + t) * VEC + (e % VEC);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -117,8 +119,8 @@ NAN_PROPAGATING(bf16x2_min_nan, "min.NaN.bf16x2", u32, "r")
 
 // The thread's largest and smallest values among its valid columns (-inf / +inf when it has none; NaN when
 // any is NaN).
-template <typename T, int VEC, bool FULL>
-__device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words], int n, float& mx, float& mn) {
+template <typename T, int VEC, int GT, bool FULL>
+__device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words], int n, int g, float& mx, float& mn) {
   if constexpr (FULL && sizeof(T) == 2) {
     u32 hi = raw[0], lo = raw[0];
 #pragma unroll
@@ -133,7 +135,7 @@ __device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words],
     mn = INFINITY;
 #pragma unroll
     for (int e = 0; e < H_ELEMS; ++e)
-      if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
+      if (FULL || group_col<VEC, GT>(e, g) < n) {
         mx = fmax_nan(mx, elem_float(raw, e, T()));
         mn = fmin_nan(mn, elem_float(raw, e, T()));
       }
@@ -158,8 +160,8 @@ __device__ __forceinline__ float ex2_approx(float y) {
 // term. Also the bit mask of the thread's columns with value >= cf (element e: bit e), which the histogram
 // counts. The caller drops the sum when M is -inf. !FMA (M log2(e) beyond fp32's range, or M not finite): the
 // exponent is (x - M) * log2(e), each step rounded, and no factor.
-template <typename T, int VEC, bool FULL, bool FTZ, bool FMA>
-__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
+template <typename T, int VEC, int GT, bool FULL, bool FTZ, bool FMA>
+__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, int grp, float cf, float M,
                                                float ML, u32& mask) {
   double s = 0.0;
 #pragma unroll
@@ -167,7 +169,7 @@ __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words
     float q = 0.f;
 #pragma unroll
     for (int e = g; e < g + 4; ++e)
-      if (FULL || group_col<VEC>(e, threadIdx.x) < n) {
+      if (FULL || group_col<VEC, GT>(e, grp) < n) {
         const float x = elem_float(raw, e, T());
         if (x >= cf) mask |= 1u << e;
         const float y = FMA ? __fmaf_rn(x, LOG2E_F, -ML) : __fmul_rn(__fsub_rn(x, M), LOG2E_F);
@@ -208,13 +210,13 @@ __device__ __forceinline__ int mask_elem(int bit) { return bit < 16 ? 2 * bit : 
 // ex2.approx.ftz gives the same value as without ftz when every exponent is >= -126 (monotone in x: checked
 // on the thread's smallest value; NaN / -inf: the exact one). fma: ML = M log2(e) is a finite fp32 (the
 // exponent's form above; block-uniform).
-template <typename T, int VEC, bool FULL>
-__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, float cf, float M,
+template <typename T, int VEC, int GT, bool FULL>
+__device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, int g, float cf, float M,
                                                float ML, bool fma, float tmin, u32& mask) {
   if (!fma) {
     if (__fmul_rn(__fsub_rn(tmin, M), LOG2E_F) >= -126.f)
-      return exp_sum_mask<T, VEC, FULL, true, false>(raw, n, cf, M, ML, mask);
-    return exp_sum_mask<T, VEC, FULL, false, false>(raw, n, cf, M, ML, mask);
+      return exp_sum_mask<T, VEC, GT, FULL, true, false>(raw, n, g, cf, M, ML, mask);
+    return exp_sum_mask<T, VEC, GT, FULL, false, false>(raw, n, g, cf, M, ML, mask);
   }
   const bool ftz = __fmaf_rn(tmin, LOG2E_F, -ML) >= -126.f;
   if constexpr (FULL && sizeof(T) == 2) {
@@ -222,8 +224,8 @@ __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words
     if (ftz) return exp_sum_mask_bf16_full<true>(raw, c | (c << 16), ML, mask);
     return exp_sum_mask_bf16_full<false>(raw, c | (c << 16), ML, mask);
   }
-  if (ftz) return exp_sum_mask<T, VEC, FULL, true, true>(raw, n, cf, M, ML, mask);
-  return exp_sum_mask<T, VEC, FULL, false, true>(raw, n, cf, M, ML, mask);
+  if (ftz) return exp_sum_mask<T, VEC, GT, FULL, true, true>(raw, n, g, cf, M, ML, mask);
+  return exp_sum_mask<T, VEC, GT, FULL, false, true>(raw, n, g, cf, M, ML, mask);
 }
 
 // The factor 2^(M log2(e) - ML) that turns a sum of 2^(x log2(e) - ML) into sum exp(x - M): M * LOG2E_F is exact
@@ -232,39 +234,58 @@ __device__ __forceinline__ double chunk_exp_scale(float M, float ML) {
   return exp2(__dsub_rn(__dmul_rn((double)M, (double)LOG2E_F), (double)ML));
 }
 
-template <typename T, int VEC>
+// G groups per thread (G = 1: one 32-column group, 8192-column chunks; G = 2, bf16 only: two, 16384-column
+// chunks, so the block's fixed work (the maxima sort, the bound, the flush) is paid once per 16384 columns).
+// Thread tid owns groups tid + i * H_THREADS, i < G, of the chunk's GT = G * H_THREADS.
+template <typename T, int VEC, int G>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           u32* __restrict__ chunk_cut, float* __restrict__ chunk_max,
                                           double* __restrict__ chunk_sum, int* __restrict__ err) {
+  constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
   __shared__ __align__(16) u32 hist[H_BINS];
   __shared__ u32 sorted[H_THREADS];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.y, c = blockIdx.x;  // grid (C, R)
   const long long blk = (long long)r * C + c;  // the chunk's index in the per-chunk outputs
-  const int start = c * H_COLS;
-  const int n = min(H_COLS, V - start);
+  const int start = c * CC;
+  const int n = min(CC, V - start);
+  const bool full = n == CC;
   const int kout = min(K, V);
   const T* row = logits + (long long)r * row_stride + start;
 
-  u32 raw[Packed<T>::words];
+  u32 raw[G][Packed<T>::words];
   // issued before the zeroing so the loads are in flight meanwhile
-  if (n == H_COLS) load_group<T, VEC, true>(row, n, raw, tid);
-  else load_group<T, VEC>(row, n, raw, tid);
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    if (full) load_group<T, VEC, GT, true>(row, n, raw[i], tid + i * H_THREADS);
+    else load_group<T, VEC, GT>(row, n, raw[i], tid + i * H_THREADS);
+  }
   uint4* h4 = reinterpret_cast<uint4*>(hist);
   for (int b = tid; b < H_BINS / 4; b += H_THREADS) h4[b] = make_uint4(0u, 0u, 0u, 0u);
 
-  float tmax, tmin;
-  if (n == H_COLS) thread_range<T, VEC, true>(raw, n, tmax, tmin);
-  else thread_range<T, VEC, false>(raw, n, tmax, tmin);
+  float tmax = -INFINITY, tmin = INFINITY;
+  u32 gkey[G];  // each group's largest key (KEY_NEG_INF for a group with no valid column)
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    float gmax, gmin;
+    if (full) thread_range<T, VEC, GT, true>(raw[i], n, tid + i * H_THREADS, gmax, gmin);
+    else thread_range<T, VEC, GT, false>(raw[i], n, tid + i * H_THREADS, gmax, gmin);
+    gkey[i] = float_key(gmax);
+    tmax = i == 0 ? gmax : fmax_nan(tmax, gmax);
+    tmin = i == 0 ? gmin : fmin_nan(tmin, gmin);
+  }
   if (tmax != tmax || tmax == INFINITY) {  // rare: name the bad values exactly
     int bad = 0;
 #pragma unroll
-    for (int e = 0; e < H_ELEMS; ++e) {
-      const float f = elem_float(raw, e, T());
-      if (group_col<VEC>(e, tid) < n) bad |= f != f ? ERR_LOGITS_NAN : (f == INFINITY ? ERR_LOGITS_POSINF : 0);
-    }
+    for (int i = 0; i < G; ++i)
+#pragma unroll
+      for (int e = 0; e < H_ELEMS; ++e) {
+        const float f = elem_float(raw[i], e, T());
+        if (group_col<VEC, GT>(e, tid + i * H_THREADS) < n)
+          bad |= f != f ? ERR_LOGITS_NAN : (f == INFINITY ? ERR_LOGITS_POSINF : 0);
+      }
     if (bad) atomicOr(err, bad);
   }
   const u32 kmax = float_key(tmax);  // KEY_NEG_INF for a thread with no valid column
@@ -302,21 +323,28 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   const float cf = key_float(cut);
   const float M = key_float(bmax);  // -inf for a chunk of -inf only; NaN / +inf only with the error flag set
 
-  group_bin[blk * H_THREADS + tid] =
-      kmax >= cut ? (unsigned short)(kmax >> H_SHIFT) : 0;  // 0 for a group with nothing >= the bound
-  u32 mask = 0;
+#pragma unroll
+  for (int i = 0; i < G; ++i)  // 0 for a group with nothing >= the bound
+    group_bin[blk * GT + tid + i * H_THREADS] = gkey[i] >= cut ? (unsigned short)(gkey[i] >> H_SHIFT) : 0;
   const float ML = __fmul_rn(M, LOG2E_F);
   const bool fma = fabsf(ML) <= 3.4028234663852886e38f;  // finite: the FMA form (exp_sum_mask)
-  const bool packed = n == H_COLS && sizeof(T) == 2 && fma;  // the mask's layout (PACKED_MASK or element order)
-  double s = n == H_COLS ? exp_sum_mask<T, VEC, true>(raw, n, cf, M, ML, fma, tmin, mask)
-                         : exp_sum_mask<T, VEC, false>(raw, n, cf, M, ML, fma, tmin, mask);
-  if (M == -INFINITY) s = 0.0;
-  // the few columns >= the bound into the block histogram (re-read: an L1 hit, no dynamic register index)
-  while (mask) {
-    const int e = packed ? mask_elem(__ffs(mask) - 1) : __ffs(mask) - 1;
-    mask &= mask - 1;
-    atomicAdd(hist + (float_key(to_float(__ldg(row + group_col<VEC>(e, tid)))) >> H_SHIFT), 1u);
+  const bool packed = full && sizeof(T) == 2 && fma;  // the mask's layout (PACKED_MASK or element order)
+  double s = 0.0;
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    const int g = tid + i * H_THREADS;
+    u32 mask = 0;
+    const double si = full ? exp_sum_mask<T, VEC, GT, true>(raw[i], n, g, cf, M, ML, fma, tmin, mask)
+                           : exp_sum_mask<T, VEC, GT, false>(raw[i], n, g, cf, M, ML, fma, tmin, mask);
+    s = i == 0 ? si : __dadd_rn(s, si);
+    // the few columns >= the bound into the block histogram (re-read: an L1 hit, no dynamic register index)
+    while (mask) {
+      const int e = packed ? mask_elem(__ffs(mask) - 1) : __ffs(mask) - 1;
+      mask &= mask - 1;
+      atomicAdd(hist + (float_key(to_float(__ldg(row + group_col<VEC, GT>(e, g)))) >> H_SHIFT), 1u);
+    }
   }
+  if (M == -INFINITY) s = 0.0;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
   if (lane == 0) dscratch[warp] = s;
@@ -344,16 +372,20 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
 #define HIST_PASS row_stride, V, K, C, ghist, group_bin, chunk_cut, chunk_max, chunk_sum, err
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
-  hist_pass<unsigned short, 8>(logits, HIST_PASS);
+  hist_pass<unsigned short, 8, 1>(logits, HIST_PASS);
+}
+// two groups per thread: 32 registers of raw values, so 4 resident blocks (64 registers) instead of 6
+extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_bf16_v8_g2(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 8, 2>(logits, HIST_PASS);
 }
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v1(const unsigned short* logits, HIST_ARGS) {
-  hist_pass<unsigned short, 1>(logits, HIST_PASS);
+  hist_pass<unsigned short, 1, 1>(logits, HIST_PASS);
 }
 extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v4(const float* logits, HIST_ARGS) {
-  hist_pass<float, 4>(logits, HIST_PASS);
+  hist_pass<float, 4, 1>(logits, HIST_PASS);
 }
 extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v1(const float* logits, HIST_ARGS) {
-  hist_pass<float, 1>(logits, HIST_PASS);
+  hist_pass<float, 1, 1>(logits, HIST_PASS);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -407,26 +439,27 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
 // Appends the columns of group g (chunk g / H_THREADS, thread g % H_THREADS of hist_pass) whose key is >= cut
 // and >= the chunk's bound (hist_pass's chunk_cut): exactly the columns the row histogram counted at or above
 // the boundary bin, so the gather collects as many candidates as the histogram promised.
-template <typename T, int VEC>
+template <typename T, int VEC, int G>
 __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut,
                                              const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor) {
-  const int t = g % H_THREADS, start = (g / H_THREADS) * H_COLS;
-  const int n = min(H_COLS, V - start);
+  constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
+  const int t = g % GT, start = (g / GT) * CC;
+  const int n = min(CC, V - start);
   // compared as a float, as hist_pass counted: ccut is a non-NaN key >= KEY_NEG_INF (a bin edge above
   // KEY_POS_INF only with the error flag set)
-  const float cf = key_float(min(max(cut, __ldg(ccut + g / H_THREADS)), KEY_POS_INF));
+  const float cf = key_float(min(max(cut, __ldg(ccut + g / GT)), KEY_POS_INF));
   u32 raw[Packed<T>::words];
-  load_group<T, VEC>(row + start, n, raw, t);
+  load_group<T, VEC, GT>(row + start, n, raw, t);
   u32 mask = 0;
 #pragma unroll
   for (int e = 0; e < H_ELEMS; ++e)
-    if (group_col<VEC>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
+    if (group_col<VEC, GT>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
   u32 pos = atomicAdd(cursor, (u32)__popc(mask));
 #pragma unroll
   for (int e = 0; e < H_ELEMS; ++e)
     if (mask & (1u << e)) {
       if (pos < (u32)cap)  // never out of range
-        dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC>(e, t)));
+        dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC, GT>(e, t)));
       ++pos;
     }
 }
@@ -436,13 +469,13 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
 // (C * H_THREADS u16, 16-byte aligned) are read 8 at a time, GATHER_LOADS loads in flight per thread, so a
 // block waits for a handful of memory round trips rather than one per entry. Returns the number appended.
 #define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
-template <typename T, int VEC>
+template <typename T, int VEC, int G>
 __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
                                                  const unsigned short* __restrict__ gbin,
                                                  const u32* __restrict__ ccut, u32 bsel, u64* dst, int cap,
                                                  u32* cursor) {
   const u32 cut = bsel << H_SHIFT;
-  const int nq = C * H_THREADS / 8;
+  const int nq = C * H_THREADS * G / 8;
   const uint4* gq = reinterpret_cast<const uint4*>(gbin);
   for (int q0 = 0; q0 < nq; q0 += GATHER_LOADS * S_THREADS) {
     uint4 w[GATHER_LOADS];
@@ -464,7 +497,7 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
       const int b = __ffs(live) - 1;
       live &= live - 1;
       const int q = q0 + (b >> 3) * S_THREADS + (int)threadIdx.x;
-      gather_group<T, VEC>(row, V, q * 8 + (b & 7), cut, ccut, dst, cap, cursor);
+      gather_group<T, VEC, G>(row, V, q * 8 + (b & 7), cut, ccut, dst, cap, cursor);
     }
   }
   __syncthreads();
@@ -539,7 +572,7 @@ __device__ __forceinline__ void row_lse_warp(const float* __restrict__ chunk_max
 }
 
 // MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials).
-template <typename T, int VEC, int MODE>
+template <typename T, int VEC, int MODE, int G>
 __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                             u32* __restrict__ ghist, const unsigned short* __restrict__ group_bin,
                                             const u32* __restrict__ chunk_cut, u64* __restrict__ cands,
@@ -579,7 +612,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   int got;
   if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
     u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
-    got = gather_candidates<T, VEC>(row, V, C, group_bin + (long long)r * C * H_THREADS, chunk_cut + (long long)r * C,
+    got = gather_candidates<T, VEC, G>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
                                     bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
     if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
     else got = select_winners<S_THREADS>(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
@@ -599,17 +632,18 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 // 4 resident blocks per SM (<= 64 registers; shared memory allows 5): one wave for up to 528 rows (bs 35 at
 // 15 depths) instead of 396 at the 80 registers the compiler picks unbounded, which left a tail wave at bs 32.
 #define SELECT_MIN_BLOCKS 4
-#define SELECT_KERNELS(SUFFIX, T, VEC)                                                                          \
+#define SELECT_KERNELS(SUFFIX, T, VEC, G)                                                                        \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_logprobs_##SUFFIX(    \
       const T* logits, SELECT_ARGS, int* err) {                                                                 \
-    hist_select<T, VEC, 0>(logits, SELECT_PASS, nullptr, 0, err);                                                \
+    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, err);                                                \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_partials_##SUFFIX(    \
       const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, int* err) {                            \
-    hist_select<T, VEC, 1>(logits, SELECT_PASS, out_lse, id_offset, err);                                        \
+    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, err);                                        \
   }
 
-SELECT_KERNELS(bf16_v8, unsigned short, 8)
-SELECT_KERNELS(bf16_v1, unsigned short, 1)
-SELECT_KERNELS(f32_v4, float, 4)
-SELECT_KERNELS(f32_v1, float, 1)
+SELECT_KERNELS(bf16_v8, unsigned short, 8, 1)
+SELECT_KERNELS(bf16_v8_g2, unsigned short, 8, 2)
+SELECT_KERNELS(bf16_v1, unsigned short, 1, 1)
+SELECT_KERNELS(f32_v4, float, 4, 1)
+SELECT_KERNELS(f32_v1, float, 1, 1)

@@ -34,7 +34,9 @@ __device__ __forceinline__ float load_elem(const Elem* p, i64 i) { return to_flo
 // last part takes element by element), issued LOADS_IN_FLIGHT at a time before any is consumed: one block
 // reads a whole 300 KB vocabulary row, and a single SM only approaches its share of HBM bandwidth with many
 // bytes in flight.
+#ifndef LOADS_IN_FLIGHT
 #define LOADS_IN_FLIGHT 4
+#endif
 template <int PARTS, typename Elem, typename F>
 __device__ __forceinline__ void for_each_in_part(const Elem* row, i64 V, bool vec_ok, u32 part, F f) {
   constexpr int PER_VEC = 16 / sizeof(Elem);
@@ -545,8 +547,13 @@ ACCEPT_LOGITS_ENTRY(accept_sampled_bf16, unsigned short, true)
 // barrier. One block per request read a 163,840-column fp32 row in ~20 us (one SM's share of HBM); eight
 // read it in ~eight times less. Partials are double-buffered by step parity: a block can only overwrite a
 // slot after the next barrier, which every block reaches only once it has read that slot.
+// -D overrides: benchmarks/accept_sweep.py compiles variants
+#ifndef GREEDY_CLUSTER
 #define GREEDY_CLUSTER 8
-#define GREEDY_THREADS 512
+#endif
+#ifndef GREEDY_THREADS
+#define GREEDY_THREADS 512  // the launch bound; the launcher runs 384 or 256 threads (gpu/accept.py _greedy_threads)
+#endif
 
 struct GreedyPartial {
   float v;

@@ -43,9 +43,17 @@ __all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "accept_storage
 MAX_VOCAB = 1 << 19
 _ACCEPT_THREADS_IDS = 256
 _ACCEPT_THREADS_LOGITS = 1024
-#: greedy accept over logits: blocks per request (a thread-block cluster; GREEDY_CLUSTER in the .cu) and threads
+#: greedy accept over logits: blocks per request (a thread-block cluster; GREEDY_CLUSTER in the .cu)
 _GREEDY_CLUSTER = 8
-_GREEDY_THREADS = 512
+#: its threads per block, at most the kernel's launch bound (GREEDY_THREADS, 512): 384 up to batch 16, 256 above,
+#: where smaller blocks let more of the batch's clusters be resident at once (benchmarks/accept_sweep.py on the
+#: H200: 25.1 vs 31.7 us at batch 32, 12.3 vs 12.5 us at batch 1, against 512 threads)
+_GREEDY_SMALL_BATCH = 16
+_GREEDY_THREADS_SMALL, _GREEDY_THREADS_LARGE = 384, 256
+
+
+def _greedy_threads(bs: int) -> int:
+    return _GREEDY_THREADS_SMALL if bs <= _GREEDY_SMALL_BATCH else _GREEDY_THREADS_LARGE
 
 
 @dataclass
@@ -251,7 +259,7 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
             # one cluster of _GREEDY_CLUSTER blocks per request splits each visited row (kernel's comment)
             name = "accept_greedy_f32" if t.dtype == torch.float32 else "accept_greedy_bf16"
             _kernel(name)(
-                (bs * _GREEDY_CLUSTER,), (_GREEDY_THREADS,),
+                (bs * _GREEDY_CLUSTER,), (_greedy_threads(bs),),
                 (_ptr(tokens), _ptr(parents), _ptr(num_nodes), _ptr(t), np.int64(vocab), np.int64(ld),
                  _ptr(seq_lens), *dims, *common_out),
             )

@@ -53,6 +53,11 @@ IMPL = os.environ.get("SGLANG_KDTREE_TOPK_IMPL", "histogram")
 HIST_THREADS = 256  # threads of hist_pass / hist_select
 HIST_BINS = 4096  # 12-bit key histogram per row
 HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more -> whole-row exact select
+#: bf16 rows (16-byte aligned) run the two-groups-per-thread kernels (``*_g2``: 16384-column chunks, the block's
+#: fixed work paid once per 16384 columns) when the one-group grid would have at least this many blocks (rows x
+#: 8192-column chunks); fewer blocks keep the 8192-column chunks, whose larger grid fills the GPU at small batch.
+#: SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS overrides it (A/B benchmarks; 0: always, a huge value: never).
+HIST_G2_MIN_BLOCKS = int(os.environ.get("SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS", "2048"))
 
 #: error-flag bits shared by the tree-construction kernels (topk, best-first tree, verify inputs): their part of
 
@@ -132,7 +137,9 @@ class TopKWorkspace:
             # 32-column group's largest bin, and HIST_CAP candidate composites (rows with more than S_CACHE)
             self.row_cap = HIST_CAP
             self.hist = torch.zeros(self.max_rows * HIST_BINS, dtype=torch.int32, device=device)
-            self.group_bin = torch.empty(self.max_rows * self.chunks * HIST_THREADS, dtype=torch.int16, device=device)
+            # one entry per 32-column group, chunks of 8192 or (the *_g2 kernels) 16384 columns
+            groups = max(self.chunks * HIST_THREADS, -(-self.vocab // (2 * CHUNK_COLS)) * 2 * HIST_THREADS)
+            self.group_bin = torch.empty(self.max_rows * groups, dtype=torch.int16, device=device)
             # each chunk's histogram bound (hist_pass counts only keys >= it; the select's gather applies it too)
             self.chunk_cut = torch.empty(self.max_rows * self.chunks, dtype=torch.int32, device=device)
         else:
@@ -238,6 +245,9 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     vec = 8 if bf16 else 4
     aligned = flat.data_ptr() % 16 == 0 and v % vec == 0 and (rows == 1 or row_stride % vec == 0)
     suffix = ("bf16_v" if bf16 else "f32_v") + (str(vec) if aligned else "1")
+    if bf16 and aligned and rows * chunks >= HIST_G2_MIN_BLOCKS:
+        suffix += "_g2"
+        chunks = -(-v // (2 * CHUNK_COLS))
     with runtime.current_stream():
         mod.get_function("hist_pass_" + suffix)(
             (chunks, rows), (HIST_THREADS,),

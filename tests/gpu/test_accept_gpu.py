@@ -168,8 +168,18 @@ def test_ddtree_trees_all_target_kinds(budget, depth):
         assert_same(res3, expect)
 
 
+@pytest.fixture(params=[256, 384, 512])
+def greedy_threads(request, monkeypatch):
+    """The greedy walk at each block size the launcher may pick (``_greedy_threads``: 384 up to batch 16, 256
+    above) and at its launch bound, 512, whatever the batch."""
+    from sglang_kdtree.gpu import accept
+
+    monkeypatch.setattr(accept, "_greedy_threads", lambda bs: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [7, 8, 4096, 4099, 151936])
-def test_fused_argmax_ties_and_vocab_sizes(vocab):
+def test_fused_argmax_ties_and_vocab_sizes(vocab, greedy_threads):
     """Vectorised (V % 8 == 0) and scalar tails; ties everywhere; -inf entries; a strided logits view."""
     torch = _torch()
     from sglang_kdtree.gpu.accept import accept_greedy
@@ -194,7 +204,7 @@ def test_fused_argmax_ties_and_vocab_sizes(vocab):
 
 
 @pytest.mark.parametrize("vocab", [5, 4099, 163840])
-def test_fused_argmax_across_the_cluster_slices(vocab):
+def test_fused_argmax_across_the_cluster_slices(vocab, greedy_threads):
     """The greedy walk splits each visited row over a cluster of 8 blocks: equal maxima in two different
     slices go to the lower id, a NaN in a non-leader block's slice is flagged by the request (and never chosen),
     a row whose only finite maximum sits in the last slice's tail is found, and an all-NaN row commits token 0

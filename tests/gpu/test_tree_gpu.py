@@ -18,6 +18,15 @@ def _gpu():
     return topk, tree, verify
 
 
+@pytest.fixture(params=["one group", "two groups"])
+def groups(request, monkeypatch):
+    """Runs a histogram top-K test twice: with the one-group kernels (8192-column chunks) and with the two-group
+    ``*_g2`` kernels (16384-column chunks) forced for every aligned bf16 call (``topk.HIST_G2_MIN_BLOCKS``)."""
+    topk, _, _ = _gpu()
+    monkeypatch.setattr(topk, "HIST_G2_MIN_BLOCKS", 0 if request.param == "two groups" else 1 << 62)
+    return request.param
+
+
 def _lse64(x):
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -55,12 +64,43 @@ def test_topk_fp32_random_and_ties(v, k):
 
 
 @pytest.mark.parametrize("k", [16, 512])
-def test_topk_bf16_batch(k):
+def test_topk_bf16_batch(k, groups):
     topk, _, _ = _gpu()
     g = torch.Generator(device="cuda").manual_seed(k)
     x = (torch.randn(2, 15, 163840, device="cuda", generator=g) * 4).to(torch.bfloat16)
     lp, ids = topk.topk_logprobs(x, k, check=True)
     _check_topk(x.float().cpu().numpy(), k, lp, ids)
+
+
+def test_topk_two_group_kernels_run_and_are_exact(groups):
+    """The launcher's kernel choice, seen in the workspace: aligned bf16 rows write one logsumexp partial per
+    16384-column chunk with the two-group kernels (10 per 163,840-column row; the other 10 slots keep their
+    poison) and one per 8192 columns without; fp32 rows always take 8192-column chunks. Ids and logprobs exact
+    both ways, into poisoned outputs, and the TP partials too."""
+    topk, _, _ = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows, v = 45, 163840
+    x = (torch.randn(3, 15, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x[1, 4, ::3] = -1.0  # a tie-heavy row
+    x[2, 7, :] = 2.5  # every column tied
+    xn = x.float().cpu().numpy()
+    ws = topk.TopKWorkspace(rows, v, 1024, "cuda")
+    for k in (1, 64, 512):
+        ws.chunk_max.fill_(float("nan"))
+        out = (torch.full((rows * k,), 7.0, device="cuda"), torch.full((rows * k,), -5, dtype=torch.int64, device="cuda"))
+        lp, ids = topk.topk_logprobs(x, k, workspace=ws, out=out, check=True)
+        _check_topk(xn, k, lp, ids)
+        written = int((~torch.isnan(ws.chunk_max)).sum())
+        assert written == rows * (10 if groups == "two groups" else 20)
+        vals, sid, lse = topk.shard_topk_partials(x[:, :, 4096:], k, 4096, workspace=ws, check=True)
+        rv, ri, rl = ref.shard_topk_partials(xn[:, :, 4096:], k, 4096)
+        np.testing.assert_array_equal(sid.cpu().numpy(), ri)
+        np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+        np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
+    ws.chunk_max.fill_(float("nan"))
+    topk.topk_logprobs(x.float(), 64, workspace=ws, check=True)
+    assert int((~torch.isnan(ws.chunk_max)).sum()) == rows * 20
+    assert int(ws.hist.abs().sum()) == 0
 
 
 def test_topk_unaligned_rows():
@@ -74,7 +114,7 @@ def test_topk_unaligned_rows():
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
-def test_tp_shards_merge_to_unsharded(shards):
+def test_tp_shards_merge_to_unsharded(shards, groups):
     topk, _, _ = _gpu()
     rng = np.random.default_rng(shards)
     v, k = 32000, 256
@@ -100,7 +140,7 @@ def test_tp_shards_merge_to_unsharded(shards):
 
 @pytest.mark.parametrize("impl", ["histogram", "cut"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_topk_peaked_many_rows_published_thresholds(dtype, impl):
+def test_topk_peaked_many_rows_published_thresholds(dtype, impl, groups):
     """Many rows of Zipf-like logits: later chunks of a row cut at thresholds published by earlier chunks,
     and the cut must never drop a winner (ids exact for every K)."""
     from sglang_kdtree.bench_gpu import peaked_logits
@@ -117,7 +157,7 @@ def test_topk_peaked_many_rows_published_thresholds(dtype, impl):
 
 
 @pytest.mark.parametrize("impl", ["histogram", "cut"])
-def test_topk_adversarial_chunk_layouts(impl):
+def test_topk_adversarial_chunk_layouts(impl, groups):
     """Rows whose winners sit in the last chunk (rising), in the first chunk (falling: later chunks keep
     nothing), all equal (every chunk falls back to the exact select), and equal values straddling chunk
     borders; one workspace reused across K (the per-row counters and thresholds must reset)."""
@@ -151,7 +191,7 @@ def test_topk_adversarial_chunk_layouts(impl):
 
 
 @pytest.mark.parametrize("v", [100, 5000, 8193, 163840])
-def test_topk_histogram_gather_routes(v):
+def test_topk_histogram_gather_routes(v, groups):
     """hist_select's candidate routes at their edges: the keys at or above the boundary bin number exactly
     S_CACHE (gathered into shared memory), S_CACHE + 1 (the row's global buffer), or a handful; rows whose
     last chunk is partial (groups straddling V); every K; exact ids and logprobs; histograms clean after."""
@@ -180,7 +220,7 @@ def test_topk_histogram_gather_routes(v):
     assert int(ws.hist.abs().sum()) == 0
 
 
-def test_topk_histogram_boundary_bin_capacity():
+def test_topk_histogram_boundary_bin_capacity(groups):
     """The histogram pipeline's two routes on one workspace: rows whose candidates (bin >= boundary bin) fit
     HIST_CAP and rows that overflow it (a value repeated around the K-th place) and take the whole-row
     select; both exact, also as TP shard partials, and equal to the cut pipeline."""
@@ -264,7 +304,7 @@ def _chunk_bound_rows(rng, v):
 
 
 @pytest.mark.parametrize("v", [24653, 24656, 163840])
-def test_topk_histogram_chunk_bound_edges(v):
+def test_topk_histogram_chunk_bound_edges(v, groups):
     """hist_pass histograms only keys >= its chunk bound (K <= 256; none for K > 256) and the select ranks
     few candidates directly: ties at the bound, K 255 / 256 / 257 around the bound's limit, K-th values on a
     bin edge, -0.0 / 0.0, partial last chunks (V = 3 chunks + 77: unaligned kernels; + 80: aligned, partial
@@ -293,7 +333,7 @@ def test_topk_histogram_chunk_bound_edges(v):
             assert int(ws.hist.abs().sum()) == 0
 
 
-def test_topk_histogram_rank_route_sizes():
+def test_topk_histogram_rank_route_sizes(groups):
     """The select's direct ranking (<= 512 candidates in shared memory; 2..32 lanes per candidate up to 128,
     one up to 256, a loop up to 512) against the radix select (more) at the switches: rows with exactly
     64 / 65 / 128 / 129 / 256 / 257 / 511 / 512 / 513 keys at or above the boundary bin (one tied bin), every
@@ -401,7 +441,7 @@ def test_verify_inputs_exact_mixed_prefixes():
         np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
 
 
-def test_errors_flagged_like_reference():
+def test_errors_flagged_like_reference(groups):
     topk, tree, _ = _gpu()
     x = torch.randn(2, 3, 5000, device="cuda")
     x[1, 2, 17] = float("nan")

@@ -1,0 +1,109 @@
+"""Greedy accept over bf16 logits: the cluster geometry swept (blocks per request, threads, loads in flight).
+
+``kernels/tree_accept.cu``'s lazy greedy walk reads one vocabulary row per accepted step, split over a cluster of
+GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
+LOADS_IN_FLIGHT (L) (the launch bound stays GREEDY_THREADS, 512), launched with T threads per block, checked
+against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back calls
+(device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first trees (budget N - 1, depth 15); targets are
+steered down a random path per request. The floor is the rows read (tau per request, V bf16 each) over the
+measured copy bandwidth.
+
+    python benchmarks/accept_sweep.py [--batches 1,8,32,64] [--variants 8x512x4,4x512x4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from sglang_kdtree import reference as ref
+from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
+
+VOCAB = 163840
+DEPTH = 15
+
+
+def make_case(bs, width, seed=0):
+    rng = np.random.default_rng(seed + bs * 1000 + width)
+    lp, ids = ref.topk_logprobs(rng.normal(size=(bs, DEPTH, 512)).astype(np.float32) * 2, width - 1)
+    trees = ref.build_trees(lp, ids, width - 1, rng.integers(0, 512, size=bs))
+    tgt = rng.integers(0, 512, size=(bs, width)).astype(np.int64)
+    for b in range(bs):
+        node = int(rng.integers(1, int(trees.num_nodes[b]) + 1))
+        while node > 0:
+            p = int(trees.parents[b, node])
+            tgt[b, p] = trees.tokens[b, node]
+            node = p
+    return trees, tgt
+
+
+def variant_kernel(cluster, loads):
+    from sglang_kdtree.gpu import runtime
+
+    opts = (f"-DGREEDY_CLUSTER={cluster}", f"-DLOADS_IN_FLIGHT={loads}")
+    return runtime.load_module("tree_accept.cu", opts).get_function("accept_greedy_bf16")
+
+
+def main(argv=None):
+    import torch
+
+    from sglang_kdtree.gpu import accept as gacc
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,4,8,12,16,24,32,64")
+    ap.add_argument("--width", type=int, default=65)
+    ap.add_argument("--variants", default="default,8x512x4,8x384x4,8x256x4,8x256x8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    names = args.variants.split(",")
+    rows = []
+    for bs in [int(x) for x in args.batches.split(",")]:
+        trees, tgt = make_case(bs, args.width)
+        expect = ref.accept_greedy(trees, tgt, max_depth=DEPTH)
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+        class G:
+            tokens, parents, num_nodes = dev(trees.tokens), dev(trees.parents), dev(trees.num_nodes)
+
+        logits = torch.empty((bs * args.width, VOCAB), dtype=torch.bfloat16, device="cuda").normal_()
+        logits[torch.arange(bs * args.width, device="cuda"), dev(tgt).reshape(-1)] = 10.0
+        row = {"bs": bs, "tau": float(expect.accept_lens.mean()),
+               "floor_us": floor_us(float(expect.accept_lens.sum()) * VOCAB * 2, bw)}
+        for name in names:
+            saved = gacc._kernel, gacc._GREEDY_CLUSTER, gacc._greedy_threads
+            if name != "default":  # CxTxL
+                c, t, l = (int(x) for x in name.split("x"))
+                fn = variant_kernel(c, l)
+                gacc._kernel = lambda _name, fn=fn: fn
+                gacc._GREEDY_CLUSTER, gacc._greedy_threads = c, (lambda _bs, t=t: t)
+            try:
+                out = gacc.accept_greedy(G, logits, DEPTH)
+                ok = np.array_equal(out.accepted.cpu().numpy(), expect.accepted)
+                graph = capture_graph(lambda: gacc.accept_greedy(G, logits, DEPTH, out=out), repeat=20)[0]
+                row[name] = cuda_time_us(graph.replay, calls=20, trials=7, warmup=2) if ok else float("nan")
+                if not ok:
+                    print(f"  MISMATCH bs {bs} variant {name}")
+            except Exception as exc:  # a variant that cannot launch (cluster too large) is reported, not fatal
+                print(f"  bs {bs} variant {name}: {type(exc).__name__}: {str(exc)[:160]}")
+                row[name] = float("nan")
+            finally:
+                gacc._kernel, gacc._GREEDY_CLUSTER, gacc._greedy_threads = saved
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del logits
+        torch.cuda.empty_cache()
+    print("\n| bs | tau | floor us | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['bs']} | {r['tau']:.2f} | {r['floor_us']:.1f} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
