@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import numpy as np
 
 from sglang_kdtree import reference as ref
 from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_accept import DEPTH, make_case  # noqa: E402  (bench_accept.py's trees and steered targets)
+
 VOCAB = 163840
-DEPTH = 15
-
-
-def make_case(bs, width, seed=0):
-    rng = np.random.default_rng(seed + bs * 1000 + width)
-    lp, ids = ref.topk_logprobs(rng.normal(size=(bs, DEPTH, 512)).astype(np.float32) * 2, width - 1)
-    trees = ref.build_trees(lp, ids, width - 1, rng.integers(0, 512, size=bs))
-    tgt = rng.integers(0, 512, size=(bs, width)).astype(np.int64)
-    for b in range(bs):
-        node = int(rng.integers(1, int(trees.num_nodes[b]) + 1))
-        while node > 0:
-            p = int(trees.parents[b, node])
-            tgt[b, p] = trees.tokens[b, node]
-            node = p
-    return trees, tgt
 
 
 def variant_kernel(cluster, loads):
