@@ -47,7 +47,7 @@ _ACCEPT_THREADS_LOGITS = 1024
 _GREEDY_CLUSTER = 8
 #: its threads per block, at most the kernel's launch bound (GREEDY_THREADS, 512): 384 up to batch 16, 256 above,
 #: where smaller blocks let more of the batch's clusters be resident at once (benchmarks/accept_sweep.py on the
-#: H200: 25.1 vs 31.7 us at batch 32, 12.3 vs 12.5 us at batch 1, against 512 threads)
+#: H200: 24.9 vs 31.3 us at batch 32, 12.3 vs 12.5 us at batch 1, against 512 threads)
 _GREEDY_SMALL_BATCH = 16
 _GREEDY_THREADS_SMALL, _GREEDY_THREADS_LARGE = 384, 256
 
