@@ -4,9 +4,9 @@
 GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
 LOADS_IN_FLIGHT (L) (the launch bound stays GREEDY_THREADS, 512), launched with T threads per block, checked
 against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back calls
-(device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first trees (budget N - 1, depth 15); targets are
-steered down a random path per request. The floor is the rows read (tau per request, V bf16 each) over the
-measured copy bandwidth.
+(device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first
+trees (budget N - 1, depth 15); targets are steered down a random path per request. The floor is the rows read
+(tau per request, V bf16 each) over the measured copy bandwidth.
 
     python benchmarks/accept_sweep.py [--batches 1,8,32,64] [--variants 8x512x4,4x512x4]
 """

@@ -5,18 +5,18 @@
 // launches, both on fixed preallocated workspaces (graph-capturable):
 //
 //   hist_pass   grid (C, R), 256 threads, 8192 columns per block (the *_g2 kernels, aligned bf16 rows of large
-//               batches: 16384, two 32-column groups per thread; the launcher's HIST_G2_MIN_BLOCKS), 16-byte
-//               loads. Per thread its largest and
-//               smallest value (NaN-propagating: the max screens for NaN / +inf); each warp sorts its 32
-//               thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps' ceil(K/8)-th
-//               largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th largest
-//               key T. The block histogram of the key's top 12 bits in shared memory counts only the columns
-//               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read),
-//               which keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global
-//               histogram with one atomic per nonzero bin. Also the chunk's (max, sum exp(x - max)) for the
-//               logsumexp over every column (ex2.approx of one FMA, its common factor taken out in float64: see
-//               exp_sum_mask; the subnormal fix-up skipped when no column of the thread needs it), per thread the largest bin among its 32 columns (`group_bin`, 0 when
-//               below c), so the select can visit only the groups with something to give, and c (`chunk_cut`).
+//               batches: 16384, two 32-column groups per thread; the launcher's HIST_G2_MIN_BLOCKS), 16-byte loads.
+//               Per thread its largest and smallest value (NaN-propagating: the max screens for NaN / +inf); each
+//               warp sorts its 32 thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps'
+//               ceil(K/8)-th largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th
+//               largest key T. The block histogram of the key's top 12 bits in shared memory counts only the columns
+//               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read), which
+//               keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global histogram with
+//               one atomic per nonzero bin. Also the chunk's (max, sum exp(x - max)) for the logsumexp over every
+//               column (ex2.approx of one FMA, its common factor taken out in float64: see exp_sum_mask; the
+//               subnormal fix-up skipped when no column of the thread needs it), per thread the largest bin among its
+//               32 columns (`group_bin`, 0 when below c), so the select can visit only the groups with something to
+//               give, and c (`chunk_cut`).
 //   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64; warp 0 alone when C <= 32);
 //               the boundary bin b* where the row histogram's count from the top reaches K (every winner has
 //               bin >= b*; the histogram is zeroed for the next call); the candidates (every column with bin
@@ -45,7 +45,7 @@
 static_assert(S_THREADS == H_THREADS, "boundary_bin splits the histogram over the select block's threads");
 #define S_CACHE 2048                       // candidates staged in shared memory when they fit (16 KiB)
 
-// Thread tid's columns in a chunk: ((j * H_THREADS + tid) * VEC + v), j < H_ELEMS / VEC: coalesced loads.
+// Group t's columns in a chunk of GT groups: ((j * GT + t) * VEC + v), j < H_ELEMS / VEC: coalesced loads.
 // The raw values stay packed in 32-bit words (bf16: two per word, element e in word e / 2, low half first,
 // as a 16-byte load lays them out) so a thread's 32 columns cost 16 registers in bf16.
 template <typename T> struct Packed {
@@ -59,7 +59,7 @@ __device__ __forceinline__ float elem_float(const u32* w, int e, unsigned short)
 __device__ __forceinline__ float elem_float(const u32* w, int e, float) { return __uint_as_float(w[e]); }
 
 // Loads group t of a chunk (thread t's columns; see group_col) into w; columns >= n read as 0.
-// FULL: the chunk has all H_COLS columns (no bounds checks).
+// FULL: the chunk has all GT * H_ELEMS columns (no bounds checks).
 template <typename T, int VEC, int GT, bool FULL = false>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, u32 (&w)[Packed<T>::words], int t) {
   constexpr int NV = H_ELEMS / VEC;
@@ -436,7 +436,7 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
   __syncthreads();
 }
 
-// Appends the columns of group g (chunk g / H_THREADS, thread g % H_THREADS of hist_pass) whose key is >= cut
+// Appends the columns of group g (chunk g / GT, group g % GT of hist_pass) whose key is >= cut
 // and >= the chunk's bound (hist_pass's chunk_cut): exactly the columns the row histogram counted at or above
 // the boundary bin, so the gather collects as many candidates as the histogram promised.
 template <typename T, int VEC, int G>
@@ -466,7 +466,7 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
 
 // Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
 // 32-column groups whose largest bin (hist_pass's group_bin) reaches bsel. The row's group_bin entries
-// (C * H_THREADS u16, 16-byte aligned) are read 8 at a time, GATHER_LOADS loads in flight per thread, so a
+// (C * GT u16, 16-byte aligned) are read 8 at a time, GATHER_LOADS loads in flight per thread, so a
 // block waits for a handful of memory round trips rather than one per entry. Returns the number appended.
 #define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
 template <typename T, int VEC, int G>
