@@ -71,6 +71,74 @@ __device__ __forceinline__ bool tuple_less(u32 a, u32 b, const short* node_paren
   return ra < rb;
 }
 
+// Stage the usable ranks of one request's [L, K] log-probs as S[L][KS] (all threads; independent loads); the
+// list kernel stages them widened to double (exact), off its pop loop's critical path.
+template <typename T>
+__device__ __forceinline__ void stage_rows(T* S, const float* lp, int L, int K, int KS) {
+  const int staged = L * KS;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < staged; i += blockDim.x) {
+    const int d = i / KS, k = i - d * KS;
+    S[i] = (T)lp[d * K + k];
+  }
+}
+
+// Validation of the whole input (the reference checks every entry): warps 1.. while warp 0 builds the tree;
+// a single-warp block validates after it.
+__device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err) {
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  if (nthreads == 32 || tid >= 32) {
+    const int vt = nthreads == 32 ? tid : tid - 32, vn = nthreads == 32 ? 32 : nthreads - 32;
+    int bad = 0;
+    const int total = L * K;
+#pragma unroll 4
+    for (int i = vt; i < total; i += vn) {
+      const float x = lp[i];
+      if (x != x) bad |= ERR_LOGPROB_NAN;
+      else if (x == INFINITY) bad |= ERR_LOGPROB_POSINF;
+      const int k = i % K;
+      if (k + 1 < K && (double)lp[i + 1] > (double)x) bad |= ERR_UNSORTED;
+      if (ids[i] < 0) bad |= ERR_NEGATIVE_ID;
+    }
+    if (bad) atomicOr(err, bad);
+  }
+}
+
+// Cooperative write-out of the finished tree of n nodes, padded to N rows (after a __syncthreads).
+__device__ __forceinline__ void write_tree(int b, int N, int n, const long long* ids, int K,
+                                           const long long* __restrict__ root_tokens, const short* node_parent,
+                                           const short* node_rank, const signed char* node_depth,
+                                           const double* node_score, long long* __restrict__ tokens,
+                                           long long* __restrict__ depths, long long* __restrict__ parents,
+                                           long long* __restrict__ ranks, double* __restrict__ scores,
+                                           long long* __restrict__ num_nodes) {
+  const int tid = threadIdx.x;
+  const long long row = (long long)b * N;
+  for (int i = tid; i < N; i += blockDim.x) {
+    if (i == 0) {
+      tokens[row] = root_tokens[b];
+      depths[row] = 0;
+      parents[row] = -1;
+      ranks[row] = -1;
+      scores[row] = 0.0;
+    } else if (i <= n) {
+      const int d = node_depth[i], r = node_rank[i];
+      tokens[row + i] = ids[(d - 1) * K + r];
+      depths[row + i] = d;
+      parents[row + i] = node_parent[i];
+      ranks[row + i] = r;
+      scores[row + i] = node_score[i];
+    } else {
+      tokens[row + i] = 0;
+      depths[row + i] = 0;
+      parents[row + i] = -1;
+      ranks[row + i] = -1;
+      scores[row + i] = 0.0;
+    }
+  }
+  if (tid == 0) num_nodes[b] = n;
+}
+
 // logprobs [bs, L, K] float32, token_ids [bs, L, K] int64 (both contiguous), root_tokens [bs] int64.
 // Outputs [bs, N] (N = budget + 1): tokens/depths/parents/ranks int64, scores float64 (root and padding:
 // token 0 (root: its token), depth 0, parent -1, rank -1, score 0); num_nodes [bs] int64.
@@ -90,19 +158,13 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
   __shared__ signed char node_depth[MAX_NODES];
   __shared__ int s_nodes;
 
-  const int tid = threadIdx.x, nthreads = blockDim.x, b = blockIdx.x;
+  const int tid = threadIdx.x, b = blockIdx.x;
   const int lane = tid & 31;
   const int N = budget + 1;
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
 
-  // Stage the usable ranks (all threads; independent loads).
-  const int staged = L * KS;
-#pragma unroll 4
-  for (int i = tid; i < staged; i += nthreads) {
-    const int d = i / KS, k = i - d * KS;
-    S[i] = lp[d * K + k];
-  }
+  stage_rows(S, lp, L, K, KS);
   if (tid == 0) {
     node_parent[0] = -1;
     node_rank[0] = 0;
@@ -276,49 +338,199 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
     if (lane == 0) s_nodes = n;
   }
 
-  // ---------------- validation of the whole input (the reference checks every entry) ----------------
-  // Warps 1.. while warp 0 builds the tree; a single-warp block validates after it.
-  if (nthreads == 32 || tid >= 32) {
-    const int vt = nthreads == 32 ? tid : tid - 32, vn = nthreads == 32 ? 32 : nthreads - 32;
-    int bad = 0;
-    const int total = L * K;
-#pragma unroll 4
-    for (int i = vt; i < total; i += vn) {
-      const float x = lp[i];
-      if (x != x) bad |= ERR_LOGPROB_NAN;
-      else if (x == INFINITY) bad |= ERR_LOGPROB_POSINF;
-      const int k = i % K;
-      if (k + 1 < K && (double)lp[i + 1] > (double)x) bad |= ERR_UNSORTED;
-      if (ids[i] < 0) bad |= ERR_NEGATIVE_ID;
+  validate_rows(lp, ids, L, K, err);
+  __syncthreads();
+  write_tree(b, N, s_nodes, ids, K, root_tokens, node_parent, node_rank, node_depth, node_score, tokens, depths,
+             parents, ranks, scores, num_nodes);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The sorted-list variant, for budget <= 64 * J (J = 1, 2, 4): the same contract, arguments, outputs, error
+// bits and launch shape as build_trees_kernel, and the same pop order (the order is total, so any exact
+// priority queue reproduces it). Dynamic shared memory: L * KS doubles (the log-probs widened once).
+//
+// Warp 0 keeps the candidates as one list sorted best first, position p = j * 32 + lane in register j of that
+// lane: the float64 score (-inf = empty; every candidate's score is finite) and the meta. The head
+// (position 0) is known to every lane. A pop writes the head as node n, computes its sibling and first child
+// (the same float64 formulas), orders the two (a before b; on equal keys the child, whose rank tuple is the
+// head's plus (0,) and so smaller than the sibling's), counts with two ballots per register how many old
+// positions q >= 1 are better than a (pa) and than b (pb), and rebuilds every position at once from two
+// shuffles per word:
+//     new[i] = old[i+1] (i < pa), a (i == pa), old[i] (pa < i <= pb), b (i == pb + 1), old[i-1] (i > pb + 1).
+// Scores compare as doubles (equal exactly when the reference's do; -0.0 == +0.0), and a candidate not pushed
+// has score -inf, below every finite score, so "nothing pushed" needs no special case. The next head
+// is a (pa == 0) or old[1] (shuffled at the top of the pop), so the rebuild is off the next pop's critical path.
+// The loop is branch-free but for equal keys between an old position and a or b (exact score ties), which take
+// the rank-tuple walk after a __syncwarp that publishes node n.
+//
+// The pop loop is one warp's dependent instruction chain (ncu: fixed-latency waits, not memory), so it is kept
+// short: the log-probs are staged as doubles (no conversion in the loop), scores are compared as doubles (no
+// order keys), every lane writes node n's fields (same value, same address: no branch).
+//
+// Only 64 * J positions are kept; what shifts past the end is dropped. That is exact for budget <= 64 * J:
+// after n pops the list holds at most n + 1 candidates, and a candidate at position >= 64 * J cannot be popped
+// in the budget - n pops that remain unless budget - n > 64 * J; both need n >= 64 * J - 1 and
+// n < budget - 64 * J - 1, which cannot both hold. Larger budgets take build_trees_kernel.
+// ---------------------------------------------------------------------------------------------------
+
+template <int J>
+__device__ __forceinline__ int list_tree(const double* S, int L, int KS, int budget, short* node_parent,
+                                         short* node_rank, signed char* node_depth, double* node_score) {
+  const int lane = threadIdx.x & 31;
+  double sc[J];  // position j * 32 + lane: score (-inf = empty: every candidate's score is finite), meta
+  u32 mt[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    sc[j] = -INFINITY;
+    mt[j] = 0u;
+  }
+  double hs = -INFINITY;  // the head (position 0), uniform
+  u32 hm = 0u;
+  if (budget > 0 && L > 0 && isfinite(S[0])) {
+    hs = S[0];
+    hm = pack(0, 0, 1);
+    if (lane == 0) {
+      sc[0] = hs;
+      mt[0] = hm;
     }
-    if (bad) atomicOr(err, bad);
+  }
+  int n = 0;
+  while (hs > -INFINITY && n < budget) {
+    // old[1] (lane 1, register 0): the next head unless a is better than it
+    const double o1s = __shfl_sync(FULL, sc[0], 1);
+    const u32 o1m = __shfl_sync(FULL, mt[0], 1);
+
+    ++n;
+    const int parent = meta_parent(hm), rank = meta_rank(hm), depth = meta_depth(hm);
+    node_parent[n] = (short)parent;  // every lane: the same value to the same address
+    node_rank[n] = (short)rank;
+    node_depth[n] = (signed char)depth;
+    node_score[n] = hs;
+    const int row = (depth - 1) * KS;
+    const bool has_next = rank + 1 < KS;  // KS = min(K, budget + 1): rank KS can never be popped
+    const bool has_first = depth < L;
+    const double cur = S[row + rank];
+    const double nxt = S[row + rank + (has_next ? 1 : 0)];
+    const double first = S[has_first ? depth * KS : 0];
+    const double ss0 = __dadd_rn(__dsub_rn(hs, cur), nxt);
+    const double cs0 = __dadd_rn(hs, first);
+    // Scores compare as doubles: -0.0 == +0.0 is an exact tie, as in the reference; -inf marks "not pushed"
+    // (a finite score's candidate only: a non-finite log-prob is never pushed).
+    const bool sok = has_next & isfinite(nxt), cok = has_first & isfinite(first);
+    const double ss = sok ? ss0 : -INFINITY, cs = cok ? cs0 : -INFINITY;
+    const u32 sm = pack(parent, rank + 1, depth), cm = pack(n, 0, depth + 1);
+    const bool child_first = cs >= ss;
+    const double as = child_first ? cs : ss, bsc = child_first ? ss : cs;
+    const u32 ma = child_first ? cm : sm, mb = child_first ? sm : cm;
+
+    // Old positions q >= 1 better than a / than b (a prefix of the list each).
+    bool ga[J], gb[J];
+    bool tie = false;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const bool live = j > 0 || lane > 0;  // position 0 is the popped head
+      ga[j] = live & (sc[j] > as);
+      gb[j] = live & (sc[j] > bsc);
+      tie = tie | (live & (sc[j] > -INFINITY) & ((sc[j] == as) | (sc[j] == bsc)));
+    }
+    if (__any_sync(FULL, tie)) {  // exact score ties: the smaller rank tuple is better
+      __syncwarp();  // node n (the child's parent) is visible to every lane's walk
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const bool live = (j > 0 || lane > 0) && sc[j] > -INFINITY;
+        if (live && sc[j] == as) ga[j] = tuple_less(mt[j], ma, node_parent, node_rank);
+        if (live && sc[j] == bsc) gb[j] = tuple_less(mt[j], mb, node_parent, node_rank);
+      }
+    }
+    int pa = 0, pb = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      pa += __popc(__ballot_sync(FULL, ga[j]));
+      pb += __popc(__ballot_sync(FULL, gb[j]));
+    }
+
+    // Rebuild: old[i+1] from the next lane (lane 31: register j+1's lane 0), old[i-1] from the previous lane
+    // (lane 0: register j-1's lane 31).
+    double dn_s[J], up_s[J];
+    u32 dn_m[J], up_m[J];
+    const int next_lane = (lane + 1) & 31, prev_lane = (lane + 31) & 31;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      dn_s[j] = __shfl_sync(FULL, sc[j], next_lane);
+      dn_m[j] = __shfl_sync(FULL, mt[j], next_lane);
+      up_s[j] = __shfl_sync(FULL, sc[j], prev_lane);
+      up_m[j] = __shfl_sync(FULL, mt[j], prev_lane);
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int i = j * 32 + lane;
+      const int jn = j + 1 < J ? j + 1 : j, jp = j > 0 ? j - 1 : 0;
+      const bool tail = j + 1 == J, head = j == 0;
+      const double ns = lane == 31 ? (tail ? -INFINITY : dn_s[jn]) : dn_s[j];
+      const u32 nm = lane == 31 ? (tail ? 0u : dn_m[jn]) : dn_m[j];
+      const double ps = lane == 0 ? (head ? -INFINITY : up_s[jp]) : up_s[j];
+      const u32 pm = lane == 0 ? (head ? 0u : up_m[jp]) : up_m[j];
+      // i < pa: old[i+1]; i == pa: a; pa < i <= pb: old[i]; i == pb + 1: b; i > pb + 1: old[i-1]
+      const bool take_next = i < pa, keep = i > pa && i <= pb, take_prev = i > pb + 1;
+      double s_new = take_next ? ns : take_prev ? ps : keep ? sc[j] : 0.0;
+      u32 m_new = take_next ? nm : take_prev ? pm : keep ? mt[j] : 0u;
+      s_new = i == pa ? as : i == pb + 1 ? bsc : s_new;
+      m_new = i == pa ? ma : i == pb + 1 ? mb : m_new;
+      sc[j] = s_new;
+      mt[j] = m_new;
+    }
+    hs = pa == 0 ? as : o1s;
+    hm = pa == 0 ? ma : o1m;
+  }
+  return n;
+}
+
+template <int J>
+__device__ __forceinline__ void build_trees_list(
+    const float* __restrict__ logprobs, const long long* __restrict__ token_ids,
+    const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens,
+    long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,
+    double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {
+  extern __shared__ double S_list[];  // [L][KS] (the dynamic shared memory; a name of its own: S is extern "C")
+  double* S = S_list;
+  __shared__ double node_score[64 * J + 1];
+  __shared__ short node_parent[64 * J + 1];
+  __shared__ short node_rank[64 * J + 1];
+  __shared__ signed char node_depth[64 * J + 1];
+  __shared__ int s_nodes;
+
+  const int tid = threadIdx.x, b = blockIdx.x;
+  const float* lp = logprobs + (long long)b * L * K;
+  const long long* ids = token_ids + (long long)b * L * K;
+  stage_rows(S, lp, L, K, KS);
+  if (tid == 0) {
+    node_parent[0] = -1;
+    node_rank[0] = 0;
+    node_depth[0] = 0;
+    node_score[0] = 0.0;
+    s_nodes = 0;
   }
   __syncthreads();
-
-  // Cooperative write-out of the finished tree, padded to N rows.
-  const int n = s_nodes;
-  const long long row = (long long)b * N;
-  for (int i = tid; i < N; i += nthreads) {
-    if (i == 0) {
-      tokens[row] = root_tokens[b];
-      depths[row] = 0;
-      parents[row] = -1;
-      ranks[row] = -1;
-      scores[row] = 0.0;
-    } else if (i <= n) {
-      const int d = node_depth[i], r = node_rank[i];
-      tokens[row + i] = ids[(d - 1) * K + r];
-      depths[row + i] = d;
-      parents[row + i] = node_parent[i];
-      ranks[row + i] = r;
-      scores[row + i] = node_score[i];
-    } else {
-      tokens[row + i] = 0;
-      depths[row + i] = 0;
-      parents[row + i] = -1;
-      ranks[row + i] = -1;
-      scores[row + i] = 0.0;
-    }
+  if (tid < 32) {
+    const int n = list_tree<J>(S, L, KS, budget, node_parent, node_rank, node_depth, node_score);
+    if (tid == 0) s_nodes = n;
   }
-  if (tid == 0) num_nodes[b] = n;
+  validate_rows(lp, ids, L, K, err);
+  __syncthreads();
+  write_tree(b, budget + 1, s_nodes, ids, K, root_tokens, node_parent, node_rank, node_depth, node_score, tokens,
+             depths, parents, ranks, scores, num_nodes);
 }
+
+// build_trees_list<J> for budget <= 64 * J; the arguments of build_trees_kernel.
+#define LIST_KERNEL(J)                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128) build_trees_list##J(                                         \
+      const float* __restrict__ logprobs, const long long* __restrict__ token_ids,                               \
+      const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens, \
+      long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,            \
+      double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {                   \
+    build_trees_list<J>(logprobs, token_ids, root_tokens, L, K, budget, KS, tokens, depths, parents, ranks,      \
+                        scores, num_nodes, err);                                                                 \
+  }
+LIST_KERNEL(1)
+LIST_KERNEL(2)
+LIST_KERNEL(4)

@@ -31,9 +31,22 @@ __all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
 
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
-_STATIC_SMEM = 34560  # static shared memory of build_trees_kernel (34464 B on the H200, rounded up), for the dynamic-size opt-in
-_THREADS = 128  # build_trees_kernel: warp 0 builds the tree, warps 1.. validate the input meanwhile
+_THREADS = 128  # every tree kernel: warp 0 builds the tree, warps 1.. validate the input meanwhile
 _SMEM_LIMIT = 227 * 1024
+# Budgets up to LIST_MAX_BUDGET take the sorted-list kernels (build_trees_list1 / 2 / 4: candidates in
+# warp 0's registers, exact for budget <= 64 * J); larger budgets the shared-memory slot kernel
+# (build_trees_kernel). Both are exact; tests set this to 0 to run the slot kernel at every budget.
+LIST_MAX_BUDGET = 256
+
+
+def _tree_kernel_name(budget: int) -> str:
+    if budget <= min(64, LIST_MAX_BUDGET):
+        return "build_trees_list1"
+    if budget <= min(128, LIST_MAX_BUDGET):
+        return "build_trees_list2"
+    if budget <= min(256, LIST_MAX_BUDGET):
+        return "build_trees_list4"
+    return "build_trees_kernel"
 
 
 @dataclass(frozen=True)
@@ -148,11 +161,14 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     ids = token_ids.contiguous()
     roots = root_tokens.contiguous()
     ks = min(k, width) if k else 1  # ranks >= budget + 1 can never be pushed
-    smem = max(depth, 1) * ks * 4
-    fn = runtime.load_module(_KERNEL).get_function("build_trees_kernel")
-    if smem + _STATIC_SMEM > _SMEM_LIMIT:
+    name = _tree_kernel_name(max(budget, 0))
+    smem = max(depth, 1) * ks * (4 if name == "build_trees_kernel" else 8)  # the list kernels stage doubles
+    fn = runtime.load_module(_KERNEL).get_function(name)
+    static_smem = fn.shared_size_bytes
+    if smem + static_smem > _SMEM_LIMIT:
         raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
-    fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - _STATIC_SMEM
+    if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
+        fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - static_smem
     with runtime.current_stream():
         fn((bs,), (_THREADS,),
            (_ptr(lp), _ptr(ids), _ptr(roots), np.int32(depth), np.int32(k), np.int32(max(budget, 0)), np.int32(ks),

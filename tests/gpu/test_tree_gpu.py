@@ -27,6 +27,16 @@ def groups(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["list", "slots"])
+def tree_kernel(request, monkeypatch):
+    """Runs a tree test twice: with the launcher's choice (the sorted-list kernels ``build_trees_list1/2/4``
+    up to budget 256, the slot kernel above) and with the shared-memory slot kernel ``build_trees_kernel``
+    forced at every budget (``tree.LIST_MAX_BUDGET = 0``)."""
+    _, tree, _ = _gpu()
+    monkeypatch.setattr(tree, "LIST_MAX_BUDGET", 256 if request.param == "list" else 0)
+    return request.param
+
+
 def _lse64(x):
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -377,7 +387,7 @@ def _compare_trees(got, want, scores_want=None):
         np.testing.assert_array_equal(getattr(got, f).cpu().numpy(), getattr(want, f), err_msg=f)
 
 
-def test_tree_exact_thousands_of_cases():
+def test_tree_exact_thousands_of_cases(tree_kernel):
     _, tree, _ = _gpu()
     rng = np.random.default_rng(0)
     cases = 0
@@ -402,7 +412,7 @@ def test_tree_exact_thousands_of_cases():
 
 @pytest.mark.parametrize("budget,depth,k", [(1024, 31, 1024), (1024, 15, 64), (300, 2, 3), (1, 1, 1),
                                             (512, 15, 512), (0, 4, 4), (7, 7, 1)])
-def test_tree_edge_sizes(budget, depth, k):
+def test_tree_edge_sizes(budget, depth, k, tree_kernel):
     _, tree, _ = _gpu()
     rng = np.random.default_rng(budget + depth)
     lp, ids = _sorted_rows(rng, 3, depth, k, tie_heavy=True)
@@ -441,7 +451,7 @@ def test_verify_inputs_exact_mixed_prefixes():
         np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
 
 
-def test_errors_flagged_like_reference(groups):
+def test_errors_flagged_like_reference(groups, tree_kernel):
     topk, tree, _ = _gpu()
     x = torch.randn(2, 3, 5000, device="cuda")
     x[1, 2, 17] = float("nan")
@@ -531,11 +541,13 @@ def _compare_full(got, lp, ids, budget, roots):
         assert scores[b, 0] == 0.0 and (scores[b, n + 1:] == 0.0).all()
 
 
-@pytest.mark.parametrize("budget", [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 128, 129])
-def test_tree_candidate_slot_row_boundaries(budget):
-    """The kernel stores candidate slot g in lane g % 32, row g // 32 (budget + 1 slots): budgets around
-    whole rows, heavy exact-score ties (+0.0 / -0.0 mixed, so the rank-tuple walk runs within and across
-    lanes), -inf tails, K below and above the budget, L = 1 and L = 31."""
+@pytest.mark.parametrize("budget", [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 128, 129, 255, 256, 257])
+def test_tree_candidate_slot_row_boundaries(budget, tree_kernel):
+    """The slot kernel stores candidate slot g in lane g % 32, row g // 32 (budget + 1 slots); the list kernels
+    keep 64 * J sorted positions (J = 1 / 2 / 4 up to budget 64 / 128 / 256) and drop what shifts past the end:
+    budgets around whole rows and around each list kernel's limit, heavy exact-score ties (+0.0 / -0.0 mixed, so
+    the rank-tuple walk runs within and across lanes and the list's -0.0 flag matters), -inf tails, K below and
+    above the budget, L = 1 and L = 31."""
     _, tree, _ = _gpu()
     rng = np.random.default_rng(1000 + budget)
     for depth, k in ((1, 64), (31, 3), (15, max(1, budget // 3)), (4, budget + 2), (31, 33)):
@@ -550,12 +562,13 @@ def test_tree_candidate_slot_row_boundaries(budget):
             _compare_full(_poisoned_build(tree, lp, ids, budget, roots), lp, ids, budget, roots)
 
 
-def test_tree_all_scores_equal_forces_tuple_order():
+def test_tree_all_scores_equal_forces_tuple_order(tree_kernel):
     """Every log-prob 0 (or -0.0): all candidates tie exactly, so the whole pop order is the rank-tuple order
     (shorter prefix first), decided by the tuple walk in the warp argmax."""
     _, tree, _ = _gpu()
     rng = np.random.default_rng(77)
-    for budget, depth, k in ((64, 15, 64), (100, 31, 4), (33, 2, 40), (1024, 31, 2)):
+    for budget, depth, k in ((64, 15, 64), (65, 31, 64), (100, 31, 4), (128, 31, 8), (129, 31, 3), (33, 2, 40),
+                             (255, 31, 16), (256, 31, 8), (1024, 31, 2)):
         lp = rng.choice(np.array([0.0, -0.0], dtype=np.float32), size=(2, depth, k))
         ids = rng.integers(0, 50000, size=(2, depth, k)).astype(np.int64)
         roots = np.arange(2, dtype=np.int64)
