@@ -40,13 +40,9 @@ LIST_MAX_BUDGET = 256
 
 
 def _tree_kernel_name(budget: int) -> str:
-    if budget <= min(64, LIST_MAX_BUDGET):
-        return "build_trees_list1"
-    if budget <= min(128, LIST_MAX_BUDGET):
-        return "build_trees_list2"
-    if budget <= min(256, LIST_MAX_BUDGET):
-        return "build_trees_list4"
-    return "build_trees_kernel"
+    if LIST_MAX_BUDGET <= 0 or budget > min(256, LIST_MAX_BUDGET):
+        return "build_trees_kernel"
+    return "build_trees_list1" if budget <= 64 else "build_trees_list2" if budget <= 128 else "build_trees_list4"
 
 
 @dataclass(frozen=True)
