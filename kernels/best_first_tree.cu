@@ -83,6 +83,16 @@ __device__ __forceinline__ void stage_rows(T* S, const float* lp, int L, int K, 
   }
 }
 
+// Node 0 (the root) of the node arrays, and no node popped yet (thread 0, before the block's first barrier).
+__device__ __forceinline__ void init_root(short* node_parent, short* node_rank, signed char* node_depth,
+                                          double* node_score, int* s_nodes) {
+  node_parent[0] = -1;
+  node_rank[0] = 0;
+  node_depth[0] = 0;
+  node_score[0] = 0.0;
+  *s_nodes = 0;
+}
+
 // Validation of the whole input (the reference checks every entry): warps 1.. while warp 0 builds the tree;
 // a single-warp block validates after it.
 __device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err) {
@@ -165,13 +175,7 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
   const long long* ids = token_ids + (long long)b * L * K;
 
   stage_rows(S, lp, L, K, KS);
-  if (tid == 0) {
-    node_parent[0] = -1;
-    node_rank[0] = 0;
-    node_depth[0] = 0;
-    node_score[0] = 0.0;
-    s_nodes = 0;
-  }
+  if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
 
   if (tid < 32) {
@@ -503,13 +507,7 @@ __device__ __forceinline__ void build_trees_list(
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
   stage_rows(S, lp, L, K, KS);
-  if (tid == 0) {
-    node_parent[0] = -1;
-    node_rank[0] = 0;
-    node_depth[0] = 0;
-    node_score[0] = 0.0;
-    s_nodes = 0;
-  }
+  if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
   if (tid < 32) {
     const int n = list_tree<J>(S, L, KS, budget, node_parent, node_rank, node_depth, node_score);
