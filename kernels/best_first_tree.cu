@@ -349,14 +349,14 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The sorted-list variant, for budget <= 64 * J (J = 1, 2, 4): the same contract, arguments, outputs, error
-// bits and launch shape as build_trees_kernel, and the same pop order (the order is total, so any exact
-// priority queue reproduces it). Dynamic shared memory: L * KS doubles (the log-probs widened once).
+// The sorted-list variant, for budget <= 64 * J (J = 1, 2, 4; 32 * J list positions): the same contract, arguments,
+// outputs, error bits and launch shape as build_trees_kernel, and the same pop order (the order is total, so any
+// exact priority queue reproduces it). Dynamic shared memory: L * KS doubles (the log-probs widened once).
 //
 // Warp 0 keeps the candidates as one list sorted best first, position p = j * 32 + lane in register j of that
 // lane: the float64 score (-inf = empty; every candidate's score is finite) and the meta. The head
 // (position 0) is known to every lane. A pop writes the head as node n, computes its sibling and first child
-// (the same float64 formulas), orders the two (a before b; on equal keys the child, whose rank tuple is the
+// (the same float64 formulas), orders the two (a before b; on equal scores the child, whose rank tuple is the
 // head's plus (0,) and so smaller than the sibling's), counts with two ballots per register how many old
 // positions q >= 1 are better than a (pa) and than b (pb), and rebuilds every position at once from two
 // shuffles per word:
@@ -364,17 +364,18 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 // Scores compare as doubles (equal exactly when the reference's do; -0.0 == +0.0), and a candidate not pushed
 // has score -inf, below every finite score, so "nothing pushed" needs no special case. The next head
 // is a (pa == 0) or old[1] (shuffled at the top of the pop), so the rebuild is off the next pop's critical path.
-// The loop is branch-free but for equal keys between an old position and a or b (exact score ties), which take
-// the rank-tuple walk after a __syncwarp that publishes node n.
+// The loop is branch-free but for equal scores between an old position and a or b (exact ties), which take the
+// rank-tuple walk after a __syncwarp that publishes node n.
 //
 // The pop loop is one warp's dependent instruction chain (ncu: fixed-latency waits, not memory), so it is kept
 // short: the log-probs are staged as doubles (no conversion in the loop), scores are compared as doubles (no
 // order keys), every lane writes node n's fields (same value, same address: no branch).
 //
-// Only 64 * J positions are kept; what shifts past the end is dropped. That is exact for budget <= 64 * J:
-// after n pops the list holds at most n + 1 candidates, and a candidate at position >= 64 * J cannot be popped
-// in the budget - n pops that remain unless budget - n > 64 * J; both need n >= 64 * J - 1 and
-// n < budget - 64 * J - 1, which cannot both hold. Larger budgets take build_trees_kernel.
+// Only C = 32 * J positions are kept; what shifts past the end is dropped. That is exact for budget <= 2 * C =
+// 64 * J: after n pops the list holds at most n + 1 candidates, so something is dropped only when n + 1 > C; a
+// dropped candidate has C candidates ahead of it, all popped before it, so it could only be popped if more than
+// C pops remained, budget - n > C. Both need budget > 2 * C. Larger budgets take build_trees_kernel.
+// (tests/test_tree_list_bound.py checks this bound on a CPU model of the list.)
 // ---------------------------------------------------------------------------------------------------
 
 template <int J>

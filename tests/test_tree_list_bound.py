@@ -1,10 +1,11 @@
 """The sorted-list tree kernels (``kernels/best_first_tree.cu``, ``build_trees_list1/2/4``) keep only the first
-``C = 64 * J`` candidates and drop what shifts past the end; their header argues that this is exact for
-``budget <= 2 * C``. This checks that argument on the CPU with a small model of the same list (positions
-compared by (score, rank tuple), the popped head's two children inserted where the old list's better entries
-end, the list cut to C) against ``reference.build_tree``, at small C so that the bound is reached; and that the
-cut does change trees beyond the bound, so the bound is what makes it exact. The kernels themselves are tested
-against the reference on the GPU (``tests/gpu/test_tree_gpu.py``), and the launcher's choice of kernel here."""
+``C = 32 * J`` candidates (one per lane and register) and drop what shifts past the end; their header argues that
+this is exact for ``budget <= 2 * C`` (the launcher's 64 / 128 / 256). This checks that argument on the CPU with
+a small model of the same list (positions compared by (score, rank tuple), the popped head's two children
+inserted where the old list's better entries end, the list cut to C) against ``reference.build_tree``, at small C
+so that the bound is reached; and that the cut does change trees beyond the bound, so the bound is what makes it
+exact. The kernels themselves are tested against the reference on the GPU (``tests/gpu/test_tree_gpu.py``), and
+the launcher's choice of kernel here."""
 
 import numpy as np
 import pytest

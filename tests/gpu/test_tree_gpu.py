@@ -544,7 +544,7 @@ def _compare_full(got, lp, ids, budget, roots):
 @pytest.mark.parametrize("budget", [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 128, 129, 255, 256, 257])
 def test_tree_candidate_slot_row_boundaries(budget, tree_kernel):
     """The slot kernel stores candidate slot g in lane g % 32, row g // 32 (budget + 1 slots); the list kernels
-    keep 64 * J sorted positions (J = 1 / 2 / 4 up to budget 64 / 128 / 256) and drop what shifts past the end:
+    keep 32 * J sorted positions (J = 1 / 2 / 4 up to budget 64 / 128 / 256) and drop what shifts past the end:
     budgets around whole rows and around each list kernel's limit, heavy exact-score ties (+0.0 / -0.0 mixed, so
     the rank-tuple walk runs within and across lanes and the list's -0.0 flag matters), -inf tails, K below and
     above the budget, L = 1 and L = 31."""
