@@ -546,8 +546,8 @@ def test_tree_candidate_slot_row_boundaries(budget, tree_kernel):
     """The slot kernel stores candidate slot g in lane g % 32, row g // 32 (budget + 1 slots); the list kernels
     keep 32 * J sorted positions (J = 1 / 2 / 4 up to budget 64 / 128 / 256) and drop what shifts past the end:
     budgets around whole rows and around each list kernel's limit, heavy exact-score ties (+0.0 / -0.0 mixed, so
-    the rank-tuple walk runs within and across lanes and the list's -0.0 flag matters), -inf tails, K below and
-    above the budget, L = 1 and L = 31."""
+    the rank-tuple walk runs within and across lanes and the list must keep a -0.0 score's sign), -inf tails,
+    K below and above the budget, L = 1 and L = 31."""
     _, tree, _ = _gpu()
     rng = np.random.default_rng(1000 + budget)
     for depth, k in ((1, 64), (31, 3), (15, max(1, budget // 3)), (4, budget + 2), (31, 33)):
@@ -564,7 +564,7 @@ def test_tree_candidate_slot_row_boundaries(budget, tree_kernel):
 
 def test_tree_all_scores_equal_forces_tuple_order(tree_kernel):
     """Every log-prob 0 (or -0.0): all candidates tie exactly, so the whole pop order is the rank-tuple order
-    (shorter prefix first), decided by the tuple walk in the warp argmax."""
+    (shorter prefix first), decided by the rank-tuple walk (the slot kernel's argmax, the list kernels' inserts)."""
     _, tree, _ = _gpu()
     rng = np.random.default_rng(77)
     for budget, depth, k in ((64, 15, 64), (65, 31, 64), (100, 31, 4), (128, 31, 8), (129, 31, 3), (33, 2, 40),
