@@ -14,24 +14,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
-from sglang_kdtree.bench_timing import copy_bandwidth, floor_us
+from sglang_kdtree.bench_timing import copy_bandwidth, cpu_time_us, floor_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from topk_ab import graph_us  # noqa: E402  (benchmarks/topk_ab.py: one call's replayed-graph time)
-
-
-def cpu_ms(lp, ids, budget, roots, reps=3):
-    """Median wall milliseconds of ``reference.build_trees`` on host numpy inputs."""
-    from sglang_kdtree import reference as ref
-
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ref.build_trees(lp, ids, budget, roots)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main(argv=None) -> int:
@@ -81,7 +68,7 @@ def main(argv=None) -> int:
             want = ref.build_trees(lp_np, ids_np, budget, roots_np)
             np.testing.assert_array_equal(got["list"][0].cpu().numpy(), want.tokens)
             np.testing.assert_array_equal(got["list"][1].cpu().numpy(), want.parents)
-            row["cpu_heapq_us"] = 1e3 * cpu_ms(lp_np, ids_np, budget, roots_np)
+            row["cpu_heapq_us"] = cpu_time_us(lambda: ref.build_trees(lp_np, ids_np, budget, roots_np), trials=3)
             row["nodes_mean"] = float(got["list"][5].double().mean())
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -39,6 +39,9 @@ _SMEM_LIMIT = 227 * 1024
 LIST_MAX_BUDGET = 256
 
 
+_STATIC_SMEM: dict[str, int] = {}  # each tree kernel's static shared memory, read from the driver once
+
+
 def _tree_kernel_name(budget: int) -> str:
     if LIST_MAX_BUDGET <= 0 or budget > min(256, LIST_MAX_BUDGET):
         return "build_trees_kernel"
@@ -160,7 +163,9 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     name = _tree_kernel_name(max(budget, 0))
     smem = max(depth, 1) * ks * (4 if name == "build_trees_kernel" else 8)  # the list kernels stage doubles
     fn = runtime.load_module(_KERNEL).get_function(name)
-    static_smem = fn.shared_size_bytes
+    static_smem = _STATIC_SMEM.get(name)
+    if static_smem is None:
+        static_smem = _STATIC_SMEM[name] = fn.shared_size_bytes
     if smem + static_smem > _SMEM_LIMIT:
         raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
     if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
