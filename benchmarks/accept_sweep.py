@@ -1,14 +1,15 @@
-"""Greedy accept over bf16 logits: the cluster geometry swept (blocks per request, threads, loads in flight).
+"""Greedy accept over bf16 or fp32 logits: the cluster geometry swept (blocks per request, threads, loads in flight).
 
 ``kernels/tree_accept.cu``'s lazy greedy walk reads one vocabulary row per accepted step, split over a cluster of
 GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
-LOADS_IN_FLIGHT (L) (the launch bound stays GREEDY_THREADS, 512), launched with T threads per block, checked
+GREEDY_LOADS (L) (the launch bound GREEDY_THREADS is 512, or T when larger), launched with T threads per block, checked
 against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back calls
 (device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first
 trees (budget N - 1, depth 15); targets are steered down a random path per request. The floor is the rows read
-(tau per request, V bf16 each) over the measured copy bandwidth.
+(tau per request, V elements each) over the measured copy bandwidth. A CUDA server's target logits are fp32
+(``--dtype fp32``).
 
-    python benchmarks/accept_sweep.py [--batches 1,8,32,64] [--variants 8x512x4,4x512x4]
+    python benchmarks/accept_sweep.py [--batches 1,8,32,64] [--variants 8x512x4,4x512x4] [--dtype bf16|fp32]
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from bench_accept import DEPTH, make_case  # noqa: E402  (bench_accept.py's tree
 VOCAB = 163840
 
 
-def variant_kernel(cluster, loads):
+def variant_kernel(cluster, threads, loads, dtype="bf16"):
     from sglang_kdtree.gpu import runtime
 
-    opts = (f"-DGREEDY_CLUSTER={cluster}", f"-DLOADS_IN_FLIGHT={loads}")
-    return runtime.load_module("tree_accept.cu", opts).get_function("accept_greedy_bf16")
+    opts = (f"-DGREEDY_CLUSTER={cluster}", f"-DGREEDY_LOADS={loads}", f"-DGREEDY_THREADS={max(threads, 512)}")
+    return runtime.load_module("tree_accept.cu", opts).get_function(f"accept_greedy_{'f32' if dtype == 'fp32' else dtype}")
 
 
 def main(argv=None):
@@ -45,8 +46,10 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,4,8,12,16,24,32,64")
     ap.add_argument("--width", type=int, default=65)
     ap.add_argument("--variants", default="default,8x512x4,8x384x4,8x256x4,8x256x8")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     names = args.variants.split(",")
@@ -59,15 +62,15 @@ def main(argv=None):
         class G:
             tokens, parents, num_nodes = dev(trees.tokens), dev(trees.parents), dev(trees.num_nodes)
 
-        logits = torch.empty((bs * args.width, VOCAB), dtype=torch.bfloat16, device="cuda").normal_()
+        logits = torch.empty((bs * args.width, VOCAB), dtype=dtype, device="cuda").normal_()
         logits[torch.arange(bs * args.width, device="cuda"), dev(tgt).reshape(-1)] = 10.0
         row = {"bs": bs, "tau": float(expect.accept_lens.mean()),
-               "floor_us": floor_us(float(expect.accept_lens.sum()) * VOCAB * 2, bw)}
+               "floor_us": floor_us(float(expect.accept_lens.sum()) * VOCAB * logits.element_size(), bw)}
         for name in names:
             saved = gacc._kernel, gacc._GREEDY_CLUSTER, gacc._greedy_threads
             if name != "default":  # CxTxL
                 c, t, l = (int(x) for x in name.split("x"))
-                fn = variant_kernel(c, l)
+                fn = variant_kernel(c, t, l, args.dtype)
                 gacc._kernel = lambda _name, fn=fn: fn
                 gacc._GREEDY_CLUSTER, gacc._greedy_threads = c, (lambda _bs, t=t: t)
             try:
@@ -86,6 +89,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         del logits
         torch.cuda.empty_cache()
+    print(f"\n{args.dtype} logits")
     print("\n| bs | tau | floor us | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for r in rows:

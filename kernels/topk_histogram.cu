@@ -12,14 +12,16 @@
 //               largest key T. The block histogram of the key's top 12 bits in shared memory counts only the columns
 //               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read), which
 //               keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global histogram with
-//               one atomic per nonzero bin. Also the chunk's (max, sum exp(x - max)) for the logsumexp over every
+//               one atomic per nonzero bin, and the row's bin range grows to cover them (`row_range`: two
+//               atomicMax per block). Also the chunk's (max, sum exp(x - max)) for the logsumexp over every
 //               column (ex2.approx of one FMA, its common factor taken out in float64: see exp_sum_mask; the
 //               subnormal fix-up skipped when no column of the thread needs it), per thread the largest bin among its
 //               32 columns (`group_bin`, 0 when below c), so the select can visit only the groups with something to
 //               give, and c (`chunk_cut`).
 //   hist_select grid (R), 256 threads. Logsumexp from the chunk partials (float64; warp 0 alone when C <= 32);
 //               the boundary bin b* where the row histogram's count from the top reaches K (every winner has
-//               bin >= b*; the histogram is zeroed for the next call); the candidates (every column with bin
+//               bin >= b*; only the row's bin range is read, and only its nonzero words are zeroed for the next
+//               call, as is the range); the candidates (every column with bin
 //               >= b* and key >= its chunk's c: exactly what the histogram counted), gathered from the groups
 //               whose largest bin is >= b* into shared memory (or the row's global buffer when more than
 //               S_CACHE). At most RANK_ITEMS candidates in shared memory are placed directly by rank (the
@@ -241,7 +243,8 @@ template <typename T, int VEC, int G>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           u32* __restrict__ chunk_cut, float* __restrict__ chunk_max,
-                                          double* __restrict__ chunk_sum, int* __restrict__ err) {
+                                          double* __restrict__ chunk_sum, u32* __restrict__ row_range,
+                                          int* __restrict__ err) {
   constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
   __shared__ __align__(16) u32 hist[H_BINS];
   __shared__ u32 sorted[H_THREADS];
@@ -363,13 +366,15 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     chunk_max[blk] = M;
     chunk_sum[blk] = fma ? __dmul_rn(t, chunk_exp_scale(M, ML)) : t;
     chunk_cut[blk] = cut;
+    atomicMax(row_range + 2 * r, (bmax >> H_SHIFT) + 1);          // the row's bin range: the flush above wrote
+    atomicMax(row_range + 2 * r + 1, H_BINS - (cut >> H_SHIFT));  // bins cut .. bmax (kept as two maxima over zero)
   }
 }
 
 #define HIST_ARGS                                                                                      \
   long long row_stride, int V, int K, int C, u32 *ghist, unsigned short *group_bin, u32 *chunk_cut,       \
-      float *chunk_max, double *chunk_sum, int *err
-#define HIST_PASS row_stride, V, K, C, ghist, group_bin, chunk_cut, chunk_max, chunk_sum, err
+      float *chunk_max, double *chunk_sum, u32 *row_range, int *err
+#define HIST_PASS row_stride, V, K, C, ghist, group_bin, chunk_cut, chunk_max, chunk_sum, row_range, err
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v8(const unsigned short* logits, HIST_ARGS) {
   hist_pass<unsigned short, 8, 1>(logits, HIST_PASS);
@@ -402,19 +407,23 @@ struct RowSource {
 // The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
 // the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
 // row holds fewer than `want` keys. Thread tid owns bins (H_THREADS - 1 - tid) * PER .. + PER - 1.
-__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel) {
+__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel, int lo, int hi) {
   constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
   const int tid = threadIdx.x;
   const int base = (H_THREADS - 1 - tid) * PER;
   uint4* q4 = reinterpret_cast<uint4*>(gh + base);
   u32 h[PER];
 #pragma unroll
-  for (int q = 0; q < PER / 4; ++q) {
-    const uint4 w = q4[q];
+  for (int q = 0; q < PER / 4; ++q) {  // only the row's bin range can hold counts
+    const bool in = base + 4 * q + 3 >= lo && base + 4 * q <= hi;
+    const uint4 w = in ? q4[q] : make_uint4(0u, 0u, 0u, 0u);
     h[4 * q] = w.x; h[4 * q + 1] = w.y; h[4 * q + 2] = w.z; h[4 * q + 3] = w.w;
   }
+  // clean for the next call, writing only what holds counts: at batch 32 rewriting every bin with zeros cost 7 us
+  // of the select (8 MB of L2 writes; benchmarks/RESULTS.md, session 8)
 #pragma unroll
-  for (int q = 0; q < PER / 4; ++q) q4[q] = make_uint4(0u, 0u, 0u, 0u);  // clean for the next call
+  for (int q = 0; q < PER / 4; ++q)
+    if (h[4 * q] | h[4 * q + 1] | h[4 * q + 2] | h[4 * q + 3]) q4[q] = make_uint4(0u, 0u, 0u, 0u);
   u32 s = 0;
 #pragma unroll
   for (int i = 0; i < PER; ++i) s += h[i];
@@ -579,7 +588,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
                                             long long cap, const float* __restrict__ chunk_max,
                                             const double* __restrict__ chunk_sum, float* __restrict__ out_vals,
                                             long long* __restrict__ out_ids, double* __restrict__ out_lse,
-                                            long long id_offset, int* __restrict__ err) {
+                                            long long id_offset, u32* __restrict__ row_range, int* __restrict__ err) {
   __shared__ u64 hw[MAX_K];  // histogram (2048 u32) during the select, winners (<= 1024 u64) after
   u32* hist = reinterpret_cast<u32*>(hw);
   __shared__ u64 cache[S_CACHE];
@@ -592,6 +601,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
+  const u32 rr_hi = row_range[2 * r], rr_lo = row_range[2 * r + 1];  // issued first: the histogram loads wait on it
   if (tid == 0) n_win = cursor = 0;
 
   // C <= 32 (V <= 262144): warp 0 computes the lse while the block finds the boundary bin (s_lse is read
@@ -604,7 +614,8 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   }
 
   const T* row = logits + (long long)r * row_stride;
-  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel);
+  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel, H_BINS - (int)rr_lo, (int)rr_hi - 1);
+  if (tid == 0) row_range[2 * r] = row_range[2 * r + 1] = 0u;  // read by every thread before boundary_bin's barriers
   const double lse = s_lse;
   const u32 bsel = sel[0];
   const unsigned long long items = (unsigned long long)sel[1] + sel[2];  // counted keys with bin >= b*
@@ -634,12 +645,12 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 #define SELECT_MIN_BLOCKS 4
 #define SELECT_KERNELS(SUFFIX, T, VEC, G)                                                                        \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_logprobs_##SUFFIX(    \
-      const T* logits, SELECT_ARGS, int* err) {                                                                 \
-    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, err);                                                \
+      const T* logits, SELECT_ARGS, u32* row_range, int* err) {                                                                 \
+    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, row_range, err);                                                \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_partials_##SUFFIX(    \
-      const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, int* err) {                            \
-    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, err);                                        \
+      const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, u32* row_range, int* err) {                            \
+    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, row_range, err);                                        \
   }
 
 SELECT_KERNELS(bf16_v8, unsigned short, 8, 1)

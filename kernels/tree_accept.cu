@@ -37,7 +37,7 @@ __device__ __forceinline__ float load_elem(const Elem* p, i64 i) { return to_flo
 #ifndef LOADS_IN_FLIGHT
 #define LOADS_IN_FLIGHT 4
 #endif
-template <int PARTS, typename Elem, typename F>
+template <int PARTS, typename Elem, typename F, int LOADS = LOADS_IN_FLIGHT>
 __device__ __forceinline__ void for_each_in_part(const Elem* row, i64 V, bool vec_ok, u32 part, F f) {
   constexpr int PER_VEC = 16 / sizeof(Elem);
   i64 start = 0;
@@ -45,15 +45,15 @@ __device__ __forceinline__ void for_each_in_part(const Elem* row, i64 V, bool ve
     const uint4* vrow = reinterpret_cast<const uint4*>(row);
     const i64 nvec = V / PER_VEC;
     const i64 q_lo = nvec * part / PARTS, q_hi = nvec * (part + 1) / PARTS;
-    for (i64 q0 = q_lo + threadIdx.x; q0 < q_hi; q0 += (i64)LOADS_IN_FLIGHT * blockDim.x) {
-      uint4 w[LOADS_IN_FLIGHT];
+    for (i64 q0 = q_lo + threadIdx.x; q0 < q_hi; q0 += (i64)LOADS * blockDim.x) {
+      uint4 w[LOADS];
 #pragma unroll
-      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+      for (int u = 0; u < LOADS; ++u) {
         const i64 q = q0 + (i64)u * blockDim.x;
         if (q < q_hi) w[u] = __ldg(vrow + q);
       }
 #pragma unroll
-      for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+      for (int u = 0; u < LOADS; ++u) {
         const i64 q = q0 + (i64)u * blockDim.x;
         if (q < q_hi) {
           const Elem* e = reinterpret_cast<const Elem*>(&w[u]);
@@ -554,6 +554,11 @@ ACCEPT_LOGITS_ENTRY(accept_sampled_bf16, unsigned short, true)
 #ifndef GREEDY_THREADS
 #define GREEDY_THREADS 512  // the launch bound; the launcher runs 384 or 256 threads (gpu/accept.py _greedy_threads)
 #endif
+// 16-byte loads in flight per thread: 8 took 1-2 us off every batch against 4 on fp32 target rows (the server's
+// dtype; benchmarks/accept_sweep.py --dtype fp32, RESULTS.md session 8)
+#ifndef GREEDY_LOADS
+#define GREEDY_LOADS 8
+#endif
 
 struct GreedyPartial {
   float v;
@@ -613,10 +618,11 @@ __device__ void accept_greedy_cluster_impl(const i64* tokens, const i64* parents
     float bv = -__int_as_float(0x7f800000);
     i64 bi = 0x7fffffffffffffffLL;
     bool nan = false;
-    for_each_in_part<GREEDY_CLUSTER>(row, V, vec_ok, rank, [&](float x, i64 i) {
+    auto f_argmax = [&](float x, i64 i) {
       if (x != x) nan = true;
       else if (better(x, i, bv, bi)) { bv = x; bi = i; }
-    });
+    };
+    for_each_in_part<GREEDY_CLUSTER, Elem, decltype(f_argmax), GREEDY_LOADS>(row, V, vec_ok, rank, f_argmax);
     block_argmax(bv, bi, sv, si);
     const int any_nan = __syncthreads_or(nan);
     GreedyPartial* mine = &part[step & 1];

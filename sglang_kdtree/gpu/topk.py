@@ -144,6 +144,8 @@ class TopKWorkspace:
             self.group_bin = torch.empty(self.max_rows * groups, dtype=torch.int16, device=device)
             # each chunk's histogram bound (hist_pass counts only keys >= it; the select's gather applies it too)
             self.chunk_cut = torch.empty(self.max_rows * self.chunks, dtype=torch.int32, device=device)
+            # per row (highest nonzero histogram bin + 1, H_BINS - lowest), from the chunks' bounds; zero between calls
+            self.row_range = torch.zeros(self.max_rows * 2, dtype=torch.int32, device=device)
         else:
             self.row_cap = self.chunks * candidate_allowance(self.max_k)
         self.cands = torch.empty(self.max_rows * self.row_cap, dtype=torch.int64, device=device)
@@ -254,16 +256,18 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
         mod.get_function("hist_pass_" + suffix)(
             (chunks, rows), (HIST_THREADS,),
             (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
-             _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(error_flag)),
+             _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_range),
+             _ptr(error_flag)),
         )
         args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
                 _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max),
                 _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
         if mode == 0:
-            mod.get_function("hist_select_logprobs_" + suffix)((rows,), (HIST_THREADS,), args + (_ptr(error_flag),))
+            mod.get_function("hist_select_logprobs_" + suffix)((rows,), (HIST_THREADS,),
+                                                               args + (_ptr(ws.row_range), _ptr(error_flag)))
         else:
             mod.get_function("hist_select_partials_" + suffix)(
-                (rows,), (HIST_THREADS,), args + (_ptr(out_lse), np.int64(id_offset), _ptr(error_flag))
+                (rows,), (HIST_THREADS,), args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag))
             )
 
 

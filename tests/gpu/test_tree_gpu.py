@@ -110,7 +110,7 @@ def test_topk_two_group_kernels_run_and_are_exact(groups):
     ws.chunk_max.fill_(float("nan"))
     topk.topk_logprobs(x.float(), 64, workspace=ws, check=True)
     assert int((~torch.isnan(ws.chunk_max)).sum()) == rows * 20
-    assert int(ws.hist.abs().sum()) == 0
+    assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 
 def test_topk_unaligned_rows():
@@ -197,7 +197,7 @@ def test_topk_adversarial_chunk_layouts(impl, groups):
     # the counters are back at zero after every call
     assert int(ws.row_count.abs().sum()) == 0 and int(ws.row_thresh.abs().sum()) == 0
     if impl == "histogram":
-        assert int(ws.hist.abs().sum()) == 0  # hist_select leaves the histograms clean for the next call
+        assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0  # hist_select leaves the histograms and bin ranges clean
 
 
 @pytest.mark.parametrize("v", [100, 5000, 8193, 163840])
@@ -227,7 +227,7 @@ def test_topk_histogram_gather_routes(v, groups):
             rv, ri, rl = ref.shard_topk_partials(xn, k, 7)
             np.testing.assert_array_equal(sid.cpu().numpy(), ri)
             np.testing.assert_array_equal(vals.cpu().numpy(), rv)
-    assert int(ws.hist.abs().sum()) == 0
+    assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 
 def test_topk_histogram_boundary_bin_capacity(groups):
@@ -261,7 +261,7 @@ def test_topk_histogram_boundary_bin_capacity(groups):
             np.testing.assert_array_equal(sid.cpu().numpy(), ri)
             np.testing.assert_array_equal(vals.cpu().numpy(), rv)
             np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
-    assert int(ws.row_count.abs().sum()) == 0 and int(ws.hist.abs().sum()) == 0
+    assert int(ws.row_count.abs().sum()) == 0 and int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 
 def test_topk_poisoned_outputs_and_reused_builder_buffers():
@@ -340,7 +340,7 @@ def test_topk_histogram_chunk_bound_edges(v, groups):
             np.testing.assert_array_equal(sid.cpu().numpy(), ri)
             np.testing.assert_array_equal(vals.cpu().numpy(), rv)
             np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
-            assert int(ws.hist.abs().sum()) == 0
+            assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 
 def test_topk_histogram_rank_route_sizes(groups):
@@ -367,7 +367,7 @@ def test_topk_histogram_rank_route_sizes(groups):
             _check_topk(xn, k, lp, ids)
             lp2, ids2 = topk.topk_logprobs(t, k, workspace=ws_cut, check=True)
             assert torch.equal(ids, ids2)
-    assert int(ws.hist.abs().sum()) == 0
+    assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 def _sorted_rows(rng, bs, depth, k, tie_heavy):
     if tie_heavy:
