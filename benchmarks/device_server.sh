@@ -24,7 +24,8 @@
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0; with one: UNIT beside the tests /
 #   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
-#   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call), KIMI_ROUND=1
+#   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call; AB_DIR=<folder> from a
+#   `git archive <commit> sglang_kdtree kernels tests/e2e/sgl_kernel_cuda` export instead), KIMI_ROUND=1
 #   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
 START=$(date +%s)
@@ -108,8 +109,13 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
   # (the stand-in on the path: round_parts builds an SGLang MLA pool, whose package imports sgl_kernel)
   CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
     step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json"
-  if [ -n "${AB_COMMIT:-}" ]; then
-    rm -rf /tmp/ab_old && git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
+  if [ -n "${AB_COMMIT:-}${AB_DIR:-}" ]; then
+    rm -rf /tmp/ab_old
+    if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree kernels tests/e2e)
+      cp -a "$AB_DIR" /tmp/ab_old
+    else
+      git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
+    fi
     ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
     CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda" \
       step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32
