@@ -645,12 +645,12 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 #define SELECT_MIN_BLOCKS 4
 #define SELECT_KERNELS(SUFFIX, T, VEC, G)                                                                        \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_logprobs_##SUFFIX(    \
-      const T* logits, SELECT_ARGS, u32* row_range, int* err) {                                                                 \
-    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, row_range, err);                                                \
+      const T* logits, SELECT_ARGS, u32* row_range, int* err) {                                                 \
+    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, row_range, err);                                 \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_partials_##SUFFIX(    \
-      const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, u32* row_range, int* err) {                            \
-    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, row_range, err);                                        \
+      const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, u32* row_range, int* err) {           \
+    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, row_range, err);                         \
   }
 
 SELECT_KERNELS(bf16_v8, unsigned short, 8, 1)

@@ -267,8 +267,8 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
                                                                args + (_ptr(ws.row_range), _ptr(error_flag)))
         else:
             mod.get_function("hist_select_partials_" + suffix)(
-                (rows,), (HIST_THREADS,), args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag))
-            )
+                (rows,), (HIST_THREADS,),
+                args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag)))
 
 
 def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out=None, error_flag=None,
