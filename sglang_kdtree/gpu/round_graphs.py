@@ -5,8 +5,8 @@ a GEMM, several kernel launches and their argument checks (in a server the GPU o
   which runs eagerly (one cuBLAS call) into a static logits buffer, so the round log can time the drafter's
   head apart from the bookkeeping. Static inputs: those logits, the roots and the committed lengths, copied
   into buffers before each replay.
-* ``AcceptCommitGraphs``: greedy accept -> commit plan -> KV compaction -> accepted hidden rows
-  (``GpuBackend.accept_commit_greedy``), used only when the target's verify replayed SGLang's own graph, whose
+* ``AcceptCommitGraphs``: greedy accept -> commit plan -> KV compaction and, as a concurrent branch of the graph
+  (a forked stream), the accepted hidden rows (``GpuBackend.accept_commit_greedy``), used only when the target's verify replayed SGLang's own graph, whose
   logits and hidden states then sit at the same addresses in every round of that batch size. Static input:
   the verify slots.
 
@@ -161,6 +161,7 @@ class AcceptCommitGraphs(_Graphs):
     def __init__(self, backend):
         super().__init__(backend)
         self._slots = None
+        self._fork = None  # the hidden-row gather's stream: a branch of the graph beside the KV moves
 
     def step(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int):
         """``(accept result, commit plan, accepted hidden rows)`` or None when graphs are off."""
@@ -186,7 +187,20 @@ class AcceptCommitGraphs(_Graphs):
         def body():
             acc = backend.accept_greedy(trees, logits, depth)
             plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), slots_in)
+            if not plan.hidden_rows[:, :width].is_contiguous():  # gather_hidden would copy (allocate): in order
+                backend.commit_kv(pool, plan)
+                return acc, plan, backend.gather_hidden(hidden, plan, width)
+            # The KV moves and the hidden-row gather read only the plan: the gather runs on a forked stream,
+            # joined before the step ends, so the graph holds them as two concurrent branches (both kernels are
+            # a few microseconds of latency; their outputs and the shared error flag's bits do not overlap).
+            if self._fork is None:
+                self._fork = torch.cuda.Stream(device=backend.device)
+            here = torch.cuda.current_stream()
+            self._fork.wait_stream(here)
+            with torch.cuda.stream(self._fork):
+                rows = backend.gather_hidden(hidden, plan, width)
             backend.commit_kv(pool, plan)
-            return acc, plan, backend.gather_hidden(hidden, plan, width)
+            here.wait_stream(self._fork)
+            return acc, plan, rows
 
         return self.run(key, body)
