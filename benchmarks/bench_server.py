@@ -271,10 +271,15 @@ def main(argv=None) -> int:
     finally:
         for server in servers.values():
             server.stop()
+    gc_frozen = {name: server.gc_frozen for name, server in servers.items()}
     (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
-                                                     "new_tokens": args.new_tokens, "table": table}, indent=1))
+                                                     "new_tokens": args.new_tokens, "gc_frozen": gc_frozen,
+                                                     "table": table}, indent=1))
     depths, vocab = _geometry(variant)
     print(format_table(table, depths, vocab))
+    unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)
+    print("garbage collector frozen after startup (as after SGLang's warm-up): "
+          + ("every server" if not unfrozen else "NOT in " + ", ".join(unfrozen)))
     ab = compare_dumps(args.out)
     (args.out / "verify_ab.json").write_text(json.dumps(ab, indent=1))
     for row in ab:

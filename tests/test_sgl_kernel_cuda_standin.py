@@ -262,6 +262,44 @@ def test_harness_prompts_and_server_args(cs, tmp_path):
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(STANDIN) and env["KDTREE_ROUND_LOG"] == "x"
 
 
+_STUB_SERVER = """
+import http.server, pathlib, sys
+arg = lambda name: sys.argv[sys.argv.index(name) + 1]
+mark, status = pathlib.Path(arg("--mark")), int(arg("--freeze-status"))
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def do_POST(self):
+        if self.path == "/freeze_gc":
+            mark.write_text(self.command)
+        self.send_response(status if self.path == "/freeze_gc" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(arg("--port"))), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_harness_freezes_the_gc_once_healthy(cs, tmp_path, status):
+    """A server counts as ready once /health answers, and the harness then POSTs /freeze_gc (SGLang's own
+    post-warm-up step, which --skip-server-warmup makes fail inside the server); ``gc_frozen`` says whether it
+    took. A stand-in HTTP server plays SGLang's two endpoints; a failed freeze leaves the server ready."""
+    stub = tmp_path / "stub_server.py"
+    stub.write_text(_STUB_SERVER)
+    mark = tmp_path / "froze"
+    args = [sys.executable, str(stub), "--port", str(cs.free_port()), "--mark", str(mark),
+            "--freeze-status", str(status)]
+    server = cs.CudaServer("stub", args, tmp_path / "stub.log")
+    try:
+        assert cs.wait_all({"stub": server}, timeout=60) == {}
+        assert server.ready_s is not None and mark.read_text() == "POST"
+        assert server.gc_frozen is (status == 200)
+    finally:
+        server.stop()
+
+
 def test_harness_first_mismatch(cs):
     a = [{"output_ids": [1, 2, 3]}, {"output_ids": [4, 5]}]
     assert cs.first_mismatch(a, [dict(r) for r in a]) is None

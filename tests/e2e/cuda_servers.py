@@ -162,6 +162,7 @@ class CudaServer:
         self.round_log: Path | None = (Path(env["KDTREE_ROUND_LOG"]) if env and "KDTREE_ROUND_LOG" in env
                                        else None)
         self.ready_s: float | None = None
+        self.gc_frozen: bool | None = None  # /freeze_gc's outcome once healthy (see poll_ready)
         self._log = open(log_path, "wb")
         self._started = time.time()
         self.proc = subprocess.Popen(args, env=server_env(env), stdout=self._log, stderr=subprocess.STDOUT,
@@ -176,7 +177,8 @@ class CudaServer:
         return "\n".join(self.log_text().splitlines()[-n:])
 
     def poll_ready(self) -> bool | None:
-        """True once healthy, None while starting; raises if the process died."""
+        """True once healthy, None while starting; raises if the process died. Once healthy, freezes the
+        server's garbage collector (``freeze_gc``)."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode} during startup:\n"
                                f"{self.log_tail()}")
@@ -184,10 +186,24 @@ class CudaServer:
             with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                 if r.status == 200:
                     self.ready_s = time.time() - self._started
+                    self.freeze_gc()
                     return True
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         return None
+
+    def freeze_gc(self) -> None:
+        """POST ``/freeze_gc``, the step SGLang itself runs after its warm-up requests so that the startup heap
+        leaves the collected generations (scheduler, detokenizer, tokenizer). With ``--skip-server-warmup`` SGLang
+        runs that step before the HTTP server accepts connections, and it fails ("post-warmup freeze_gc failed"
+        in every server log of the device runs up to session 8): those servers served with nothing frozen, unlike
+        a warmed-up production server. ``gc_frozen`` records whether this call succeeded."""
+        try:
+            req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                self.gc_frozen = r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            self.gc_frozen = False
 
     def generate(self, payload: dict, timeout: float = 600) -> dict:
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(),
@@ -333,7 +349,8 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
         for name, server in servers.items():
             log = server.log_text()
             trace = log_dir / f"standin-ops-{name}.txt"
-            rec = {"ready_s": server.ready_s, "error": failed.get(name), "log": str(server.log_path),
+            rec = {"ready_s": server.ready_s, "gc_frozen": server.gc_frozen, "error": failed.get(name),
+                   "log": str(server.log_path),
                    "gpu_backend": "gpu backend" in log,
                    "standin_ops_called": sorted({line.split()[0] for line in trace.read_text().splitlines()
                                                  if line.strip()}) if trace.exists() else []}
