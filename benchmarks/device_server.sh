@@ -99,6 +99,12 @@ mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)
 TEST_CAP=$(( $(left) - 25 - ${BENCH_AFTER_S:-0} ))
 export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
+# CUDA servers here took 50-140 s to become healthy (70 s for the tiny Llama with 8 starting at once, 123-142 s with
+# 16); a shorter startup timeout stops them all while they still capture graphs (session 8, call 10): say so up front
+if [ "$KDTREE_CUDA_STARTUP_TIMEOUT" -lt 120 ]; then
+  echo "WARNING: servers get only ${KDTREE_CUDA_STARTUP_TIMEOUT}s to start (KDTREE_CUDA_STARTUP_TIMEOUT, from DEADLINE" \
+       "and BENCH_AFTER_S); they need 50-140 s here" >> "$OUT/steps.txt"
+fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target
   CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
