@@ -2,9 +2,9 @@
 
 ``kernels/tree_accept.cu``'s lazy greedy walk reads one vocabulary row per accepted step, split over a cluster of
 GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
-GREEDY_LOADS (L) (the launch bound GREEDY_THREADS is 512, or T when larger), launched with T threads per block, checked
-against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back calls
-(device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first
+GREEDY_LOADS (L) (the launch bound GREEDY_THREADS is 512, or T when larger), launched with T threads per block,
+checked against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back
+calls (device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first
 trees (budget N - 1, depth 15); targets are steered down a random path per request. The floor is the rows read
 (tau per request, V elements each) over the measured copy bandwidth. A CUDA server's target logits are fp32
 (``--dtype fp32``).
@@ -34,7 +34,8 @@ def variant_kernel(cluster, threads, loads, dtype="bf16"):
     from sglang_kdtree.gpu import runtime
 
     opts = (f"-DGREEDY_CLUSTER={cluster}", f"-DGREEDY_LOADS={loads}", f"-DGREEDY_THREADS={max(threads, 512)}")
-    return runtime.load_module("tree_accept.cu", opts).get_function(f"accept_greedy_{'f32' if dtype == 'fp32' else dtype}")
+    name = "accept_greedy_f32" if dtype == "fp32" else "accept_greedy_bf16"
+    return runtime.load_module("tree_accept.cu", opts).get_function(name)
 
 
 def main(argv=None):

@@ -20,7 +20,8 @@
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"; UNIT_TESTS=<paths> narrows them), ALL_GPUS=1 (the tests / probe see every
-#   GPU: TP 2), BENCH_AFTER=1 (the bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
+#   GPU: TP 2), BENCH_AFTER=1 (the bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline
+#   are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0; with one: UNIT beside the tests /
 #   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
@@ -102,8 +103,8 @@ export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP >
 # CUDA servers here took 50-140 s to become healthy (70 s for the tiny Llama with 8 starting at once, 123-142 s with
 # 16); a shorter startup timeout stops them all while they still capture graphs (session 8, call 10): say so up front
 if [ "$KDTREE_CUDA_STARTUP_TIMEOUT" -lt 120 ]; then
-  echo "WARNING: servers get only ${KDTREE_CUDA_STARTUP_TIMEOUT}s to start (KDTREE_CUDA_STARTUP_TIMEOUT, from DEADLINE" \
-       "and BENCH_AFTER_S); they need 50-140 s here" >> "$OUT/steps.txt"
+  echo "WARNING: servers get only ${KDTREE_CUDA_STARTUP_TIMEOUT}s to start (KDTREE_CUDA_STARTUP_TIMEOUT, from" \
+       "DEADLINE and BENCH_AFTER_S); they need 50-140 s here" >> "$OUT/steps.txt"
 fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target

@@ -6,9 +6,9 @@ a GEMM, several kernel launches and their argument checks (in a server the GPU o
   head apart from the bookkeeping. Static inputs: those logits, the roots and the committed lengths, copied
   into buffers before each replay.
 * ``AcceptCommitGraphs``: greedy accept -> commit plan -> KV compaction and, as a concurrent branch of the graph
-  (a forked stream), the accepted hidden rows (``GpuBackend.accept_commit_greedy``), used only when the target's verify replayed SGLang's own graph, whose
-  logits and hidden states then sit at the same addresses in every round of that batch size. Static input:
-  the verify slots.
+  (a forked stream), the accepted hidden rows (``GpuBackend.accept_commit_greedy``), used only when the target's
+  verify replayed SGLang's own graph, whose logits and hidden states then sit at the same addresses in every round
+  of that batch size. Static input: the verify slots.
 
 One graph per key (batch size, widths, and the addresses of every buffer the steps read or write). The first
 round with a new key runs the steps eagerly (that round's real work), then captures them (capture executes
@@ -187,12 +187,14 @@ class AcceptCommitGraphs(_Graphs):
         def body():
             acc = backend.accept_greedy(trees, logits, depth)
             plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), slots_in)
-            if not plan.hidden_rows[:, :width].is_contiguous():  # gather_hidden would copy (allocate): in order
+            if not plan.hidden_rows[:, :width].is_contiguous():
+                # width < depth + 1: gather_hidden copies the rows it reads, an allocation that is not to happen
+                # on a side stream inside a capture; the two steps stay in order
                 backend.commit_kv(pool, plan)
                 return acc, plan, backend.gather_hidden(hidden, plan, width)
             # The KV moves and the hidden-row gather read only the plan: the gather runs on a forked stream,
             # joined before the step ends, so the graph holds them as two concurrent branches (both kernels are
-            # a few microseconds of latency; their outputs and the shared error flag's bits do not overlap).
+            # a few microseconds of latency; they write different buffers and OR their error bits atomically).
             if self._fork is None:
                 self._fork = torch.cuda.Stream(device=backend.device)
             here = torch.cuda.current_stream()
