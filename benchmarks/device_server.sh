@@ -26,7 +26,8 @@
 #   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
 #   AB_COMMIT=<commit> also times that commit's kernels from a git worktree, same call; AB_DIR=<folder> from a
-#   `git archive <commit> sglang_kdtree kernels tests/e2e/sgl_kernel_cuda` export instead), KIMI_ROUND=1
+#   `git archive <commit> sglang_kdtree kernels tests/e2e/sgl_kernel_cuda` export instead; PARTS_ARGS=--trace adds
+#   each step graph's kernels and the gaps between them), KIMI_ROUND=1
 #   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
 START=$(date +%s)
@@ -115,7 +116,7 @@ run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped ta
 run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_parts.py), and AB_COMMIT's beside it
   # (the stand-in on the path: round_parts builds an SGLang MLA pool, whose package imports sgl_kernel)
   CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-    step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json"
+    step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json" ${PARTS_ARGS:-}
   if [ -n "${AB_COMMIT:-}${AB_DIR:-}" ]; then
     rm -rf /tmp/ab_old
     if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree kernels tests/e2e)

@@ -1,6 +1,6 @@
 """Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes.
 
-    python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json]
+    python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json] [--trace]
 
 The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greedy``, the path a CUDA server
 with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay) and as
@@ -11,6 +11,11 @@ the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers
 gather. Times are the median of CUDA-event-timed replays (device time, no host); the floor column is the part's
 bytes over the measured copy bandwidth. Target logits are fp32 ``[bs, N, V]`` whose argmax follows a tree child
 with probability ``--agree`` (a realistic accept length). Needs a CUDA GPU and SGLang (for the pool class).
+
+``--trace`` also prints, per step graph, its kernels as the replays run them (torch.profiler's CUPTI kernel
+records, no serialisation): per kernel the median duration and the median idle gap before it (from the
+previous kernel's end, or the replay's first kernel's start), and the replay's span from first start to last
+end. The gaps are the dependent-launch latencies inside a graph that fusing kernels would save.
 """
 
 from __future__ import annotations
@@ -44,6 +49,40 @@ def _replay_time(graphs) -> float:
     return _time(graph.replay)
 
 
+def _kernel_trace(graph, replays: int = 20) -> dict:
+    """``{"kernels": [(name, median us, median gap us before it)], "span": median us}`` of ``graph``'s kernels over
+    ``replays`` replays (CUPTI kernel records via torch.profiler; kernels ordered by start within a replay)."""
+    import statistics
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # replays apart: each one's kernels form one group below
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))))
+    if not kernels or len(kernels) % replays:
+        return {"kernels": [("(kernel records not grouped by replay: %d records)" % len(kernels), 0.0, 0.0)],
+                "span": float("nan")}
+    per = len(kernels) // replays
+    groups = [kernels[i * per:(i + 1) * per] for i in range(replays)]
+    rows = []
+    for j in range(per):
+        durs = [g[j][1] - g[j][0] for g in groups]
+        gaps = [g[j][0] - max(k[1] for k in g[:j]) if j else 0.0 for g in groups]
+        rows.append((groups[0][j][2][:60], statistics.median(durs), statistics.median(gaps)))
+    span = statistics.median(max(k[1] for k in g) - g[0][0] for g in groups)
+    return {"kernels": rows, "span": span}
+
+
+def _last_graph(graphs):
+    return list(graphs._graphs.values())[-1][0] if graphs._graphs else None
+
+
 def _pool(rows: int, layers: int):
     """An SGLang ``MLATokenToKVPool`` with only what ``compact_kv``'s table reads (as the GPU tests build it)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -73,7 +112,8 @@ def _target(trees, vocab: int, agree: float, gen, seed: int) -> torch.Tensor:
     return logits
 
 
-def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float) -> dict:
+def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
+          trace: bool = False) -> dict:
     from sglang_kdtree import pipeline
 
     gen = torch.Generator(device="cuda").manual_seed(bs)
@@ -96,6 +136,8 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     # the captured graph alone (top-K -> tree -> verify inputs): the device time when the host runs ahead, as in
     # a server whose host queues the step while the GPU still runs the draft forward
     out["tree graph replay"] = _replay_time(backend._tree_graphs)
+    if trace:
+        out["trace tree graph"] = _kernel_trace(_last_graph(backend._tree_graphs))
     logits = torch.empty((bs * depth, vocab), device="cuda", dtype=torch.bfloat16)
     out["head GEMM"] = _graph_time(lambda: torch.matmul(rows, weight.t(), out=logits))
     lg3 = logits.view(bs, depth, vocab)
@@ -116,6 +158,8 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     out["accept_commit graph"] = _time(lambda: backend.accept_commit_greedy(trees, target, depth, slots, pool,
                                                                             hidden_rows, width, graph=True))
     out["accept_commit graph replay"] = _replay_time(backend._commit_graphs)
+    if trace:
+        out["trace accept_commit graph"] = _kernel_trace(_last_graph(backend._commit_graphs))
     out["accept len"] = float(acc.accept_lens.float().mean())
     out["accept"] = _graph_time(lambda: backend.accept_greedy(trees, target, depth))
     acc = backend.accept_greedy(trees, target, depth)
@@ -145,11 +189,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=3, help="MLA KV layers moved by the compaction")
     ap.add_argument("--agree", type=float, default=0.75)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true", help="also print each step graph's kernels and the gaps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("round_parts needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree)
+    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree, args.trace)
             for bs in args.batches]
     import sglang_kdtree
 
@@ -163,6 +208,14 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['bs']} | " + " | ".join(f"{r[c]:.1f}" if c != "accept len" else f"{r[c]:.2f}"
                                             for c in COLUMNS) + f" | {r['errors']} |")
+    for r in rows:
+        for name in ("trace tree graph", "trace accept_commit graph"):
+            if name in r:
+                t = r[name]
+                print(f"\nbs {r['bs']}, {name[6:]}: span {t['span']:.1f} us (first kernel start -> last end)")
+                print("| kernel | us | gap before us |\n|---|---|---|")
+                for kname, dur, gap in t["kernels"]:
+                    print(f"| {kname} | {dur:.1f} | {gap:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -20,6 +20,7 @@ from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH
 __all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
+_ROWS_PER_BLOCK = 8  # = VERIFY_WARPS in the kernel: one row per warp
 
 
 @dataclass(frozen=True)
@@ -141,20 +142,15 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
     tok, dep, par, nn = (t.contiguous() for t in (trees.tokens, trees.depths, trees.parents, trees.num_nodes))
     sl = seq_lens.contiguous()
     mod = runtime.load_module(_KERNEL)
-    # Enough mask blocks to cover the GPU; each handles rows y, y+Y, ... of one request.
-    rows_per_block = max(1, (bs * width) // 1024)
-    y = max(1, min(width, -(-width // rows_per_block)))
+    # block (b, y) handles request b's rows y, y+Y, ... one per warp (all of their outputs): one row per warp
+    y = -(-width // _ROWS_PER_BLOCK)
     with runtime.current_stream():
-        mod.get_function("verify_links")(
-            (bs,), (256,),
-            (_ptr(tok), _ptr(dep), _ptr(par), _ptr(nn), _ptr(sl), np.int32(width), _ptr(res.input_ids),
-             _ptr(res.positions), _ptr(res.ancestor_bits), _ptr(res.retrieve_index), _ptr(res.retrieve_next_token),
-             _ptr(res.retrieve_next_sibling), _ptr(error_flag)),
-        )
-        mod.get_function("verify_full_mask")(
+        mod.get_function("verify_inputs")(
             (bs, y), (256,),
-            (_ptr(res.ancestor_bits), _ptr(sl), np.int32(width), np.int32(1 if fill_prefix else 0),
-             _ptr(res.full_mask)),
+            (_ptr(tok), _ptr(dep), _ptr(par), _ptr(nn), _ptr(sl), np.int32(width), np.int32(1 if fill_prefix else 0),
+             _ptr(res.input_ids), _ptr(res.positions), _ptr(res.ancestor_bits), _ptr(res.retrieve_index),
+             _ptr(res.retrieve_next_token), _ptr(res.retrieve_next_sibling), _ptr(res.full_mask),
+             _ptr(error_flag)),
         )
     if check:
         raise_on_flag(error_flag, "verify_inputs")

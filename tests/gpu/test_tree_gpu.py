@@ -427,30 +427,86 @@ def test_tree_edge_sizes(budget, depth, k, tree_kernel):
     _compare_trees(got, ref.build_trees(lp, ids, budget, roots))
 
 
-def test_verify_inputs_exact_mixed_prefixes():
+def _verify_case(rng, bs, budget, max_seq, depth=15):
+    """GPU verify inputs of GPU-built trees (outputs poisoned first, a poisoned guard past the mask) against the
+    reference's on the reference's trees."""
     _, tree, verify = _gpu()
+    lp, ids = _sorted_rows(rng, bs, depth, min(max(budget, 1), 64), tie_heavy=True)
+    roots = rng.integers(0, 1000, size=bs).astype(np.int64)
+    want_t = ref.build_trees(lp, ids, budget, roots)
+    seq = rng.integers(0, max_seq, size=bs).astype(np.int64)
+    seq[0] = 0
+    gt = tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
+                          torch.from_numpy(roots).cuda(), check=True)
+    mask_numel = verify.full_mask_numel(int(seq.sum()), budget + 1, bs)
+    out = verify.alloc_verify_inputs(bs + 1, budget + 1, mask_numel + 4096, "cuda")
+    for t in out.__dict__.values():
+        t.fill_(1)  # poison (and the guard rows / bytes past what this batch may write)
+    got = verify.verify_inputs(gt, torch.from_numpy(seq).cuda(), seq_lens_sum=int(seq.sum()), out=out,
+                               check=True)
+    want = ref.verify_inputs(want_t, seq)
+    for f in ("input_ids", "positions", "full_mask", "retrieve_index", "retrieve_next_token",
+              "retrieve_next_sibling"):
+        np.testing.assert_array_equal(getattr(got, f).cpu().numpy().reshape(getattr(want, f).shape),
+                                      getattr(want, f), err_msg=f)
+    np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
+    assert bool(out.full_mask[mask_numel:].all()), "wrote past the batch's FULL_MASK"
+    n = bs * (budget + 1)
+    assert bool((out.input_ids[n:] == 1).all()) and bool((out.retrieve_next_sibling[n:] == 1).all())
+
+
+def test_verify_inputs_exact_mixed_prefixes():
     rng = np.random.default_rng(5)
     for budget in (1, 16, 64, 100, 511):
-        bs = 6
-        lp, ids = _sorted_rows(rng, bs, 15, min(budget, 64), tie_heavy=True)
-        roots = rng.integers(0, 1000, size=bs).astype(np.int64)
-        want_t = ref.build_trees(lp, ids, budget, roots)
-        seq = rng.integers(0, 300, size=bs).astype(np.int64)
-        seq[0] = 0
-        gt = tree.build_trees(torch.from_numpy(lp).cuda(), torch.from_numpy(ids).cuda(), budget,
-                              torch.from_numpy(roots).cuda(), check=True)
-        out = verify.alloc_verify_inputs(bs, budget + 1, int(seq.sum()) * (budget + 1) + (budget + 1) ** 2 * bs,
-                                         "cuda")
-        for t in out.__dict__.values():
-            t.fill_(1)  # poison
-        got = verify.verify_inputs(gt, torch.from_numpy(seq).cuda(), seq_lens_sum=int(seq.sum()), out=out,
-                                   check=True)
-        want = ref.verify_inputs(want_t, seq)
-        for f in ("input_ids", "positions", "full_mask", "retrieve_index", "retrieve_next_token",
-                  "retrieve_next_sibling"):
-            np.testing.assert_array_equal(getattr(got, f).cpu().numpy().reshape(getattr(want, f).shape),
-                                          getattr(want, f), err_msg=f)
-        np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
+        _verify_case(rng, 6, budget, 300)
+
+
+@pytest.mark.parametrize("bs,budget,max_seq", [(40, 64, 2000), (130, 16, 500), (3, 1024, 700), (1, 0, 5)])
+def test_verify_inputs_exact_block_geometries(bs, budget, max_seq):
+    """Batches where one block owns several rows of a request (bs * N > 1024), the widest tree (N 1025, 33
+    ancestor words), and the root-only tree."""
+    _verify_case(np.random.default_rng(bs * 1000 + budget), bs, budget, max_seq)
+
+
+@pytest.mark.parametrize("flaw", ["parent_not_before", "negative_parent", "num_nodes_high", "num_nodes_negative",
+                                  "chain_too_deep"])
+def test_verify_inputs_flags_malformed_trees(flaw):
+    """A malformed tree sets ERR_BAD_TREE (raised by check=True) and nothing is written past the batch."""
+    _, _, verify = _gpu()
+    bs, width = 3, 40
+    parents = np.zeros((bs, width), dtype=np.int64)  # well formed: a star under the root
+    parents[:, 0] = -1
+    num_nodes = np.full(bs, width - 1, dtype=np.int64)
+    if flaw == "parent_not_before":
+        parents[1, 5] = 7
+    elif flaw == "negative_parent":
+        parents[2, 9] = -3
+    elif flaw == "num_nodes_high":
+        num_nodes[0] = width
+    elif flaw == "num_nodes_negative":
+        num_nodes[1] = -1
+    else:
+        parents[1, 1:] = np.arange(width - 1)  # a chain: node i's parent is i - 1, depth 39 > 31
+    gt = type("Trees", (), {})()  # what verify_inputs reads of a tree batch
+    for name, arr in (("tokens", np.arange(bs * width, dtype=np.int64).reshape(bs, width)),
+                      ("depths", np.zeros((bs, width), dtype=np.int64)), ("parents", parents),
+                      ("num_nodes", num_nodes)):
+        setattr(gt, name, torch.from_numpy(arr).cuda())
+    seq = torch.tensor([3, 0, 17], dtype=torch.int64, device="cuda")
+    mask_numel = verify.full_mask_numel(20, width, bs)
+    out = verify.alloc_verify_inputs(bs + 1, width, mask_numel + 4096, "cuda")
+    for t in out.__dict__.values():
+        t.fill_(1)
+    with pytest.raises(ValueError, match="malformed tree"):
+        verify.verify_inputs(gt, seq, seq_lens_sum=20, out=out, check=True)
+    assert bool(out.full_mask[mask_numel:].all())
+    assert bool((out.input_ids[bs * width:] == 1).all())
+    # the well-formed star alone raises nothing
+    parents[:, 1:] = 0
+    parents[:, 0] = -1
+    gt.parents = torch.from_numpy(parents).cuda()
+    gt.num_nodes = torch.full((bs,), width - 1, dtype=torch.int64, device="cuda")
+    verify.verify_inputs(gt, seq, seq_lens_sum=20, out=out, check=True)
 
 
 def test_errors_flagged_like_reference(groups, tree_kernel):
