@@ -126,7 +126,7 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
     fi
     ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
     CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda" \
-      step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32
+      step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32 ${PARTS_ARGS:-}
   fi
 }
 run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the round's graphs)
