@@ -476,13 +476,17 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
 // Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
 // 32-column groups whose largest bin (hist_pass's group_bin) reaches bsel. The row's group_bin entries
 // (C * GT u16, 16-byte aligned) are read 8 at a time, GATHER_LOADS loads in flight per thread, so a
-// block waits for a handful of memory round trips rather than one per entry. Returns the number appended.
+// block waits for a handful of memory round trips rather than one per entry. The groups found go to a
+// shared-memory list first, which the block's threads then split one group each: every group's loads are in
+// flight at once (a thread that finds several would otherwise wait for their logits one after another; a group
+// past the list's GATHER_LIST entries is gathered by the thread that found it). Returns the number appended.
 #define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
+#define GATHER_LIST 1024
 template <typename T, int VEC, int G>
 __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
                                                  const unsigned short* __restrict__ gbin,
                                                  const u32* __restrict__ ccut, u32 bsel, u64* dst, int cap,
-                                                 u32* cursor) {
+                                                 u32* cursor, u32* list, u32* listed) {
   const u32 cut = bsel << H_SHIFT;
   const int nq = C * H_THREADS * G / 8;
   const uint4* gq = reinterpret_cast<const uint4*>(gbin);
@@ -505,10 +509,15 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
     while (live) {  // one call site: the group's loads are not unrolled 32 times
       const int b = __ffs(live) - 1;
       live &= live - 1;
-      const int q = q0 + (b >> 3) * S_THREADS + (int)threadIdx.x;
-      gather_group<T, VEC, G>(row, V, q * 8 + (b & 7), cut, ccut, dst, cap, cursor);
+      const int g = (q0 + (b >> 3) * S_THREADS + (int)threadIdx.x) * 8 + (b & 7);
+      const u32 slot = atomicAdd(listed, 1u);
+      if (slot < GATHER_LIST) list[slot] = (u32)g;
+      else gather_group<T, VEC, G>(row, V, g, cut, ccut, dst, cap, cursor);
     }
   }
+  __syncthreads();  // the list is complete
+  const int n = (int)min(*listed, (u32)GATHER_LIST);
+  for (int k = threadIdx.x; k < n; k += S_THREADS) gather_group<T, VEC, G>(row, V, (int)list[k], cut, ccut, dst, cap, cursor);
   __syncthreads();
   return (int)min(*cursor, (u32)cap);
 }
@@ -597,12 +606,13 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
   __shared__ double s_lse;
-  __shared__ u32 n_win, cursor;
+  __shared__ u32 n_win, cursor, listed;
+  __shared__ u32 list[GATHER_LIST];  // gather_candidates' live groups
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
   const u32 rr_hi = row_range[2 * r], rr_lo = row_range[2 * r + 1];  // issued first: the histogram loads wait on it
-  if (tid == 0) n_win = cursor = 0;
+  if (tid == 0) n_win = cursor = listed = 0;
 
   // C <= 32 (V <= 262144): warp 0 computes the lse while the block finds the boundary bin (s_lse is read
   // after boundary_bin's barriers)
@@ -624,7 +634,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
     u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
     got = gather_candidates<T, VEC, G>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
-                                    bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor);
+                                    bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor, list, &listed);
     if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
     else got = select_winners<S_THREADS>(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
   } else {
