@@ -5,9 +5,9 @@
 //                  and next-sibling links, its bit-packed ancestor-or-self row (ceil(N/32) uint32 words) and its
 //                  SGLang FULL_MASK row. Request b's mask block starts at N*N*b + N*sum(seq_lens[:b]) (the prefix
 //                  sum on the device, by the block's threads together: no host sync); its rows are seq_len + N
-//                  bytes: prefix columns True, then the ancestor-or-self row. Every block reads the request's
-//                  parents (a few hundred bytes, from L2 after the first block), so no block waits on another and
-//                  the whole step is one kernel.
+//                  bytes: prefix columns True (fill_prefix = 0 leaves them alone: a buffer already True), then the
+//                  ancestor-or-self row. Every block reads the request's parents (a few hundred bytes, from L2
+//                  after the first block), so no block waits on another and the whole step is one kernel.
 //
 // Links need no sort: children of p are exactly the nodes j > p with parents[j] == p, so the first child of
 // i is the smallest such j (one shared-memory atomicMin per node) and the next sibling of i is the first

@@ -142,7 +142,7 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
     tok, dep, par, nn = (t.contiguous() for t in (trees.tokens, trees.depths, trees.parents, trees.num_nodes))
     sl = seq_lens.contiguous()
     mod = runtime.load_module(_KERNEL)
-    # block (b, y) handles request b's rows y, y+Y, ... one per warp (all of their outputs): one row per warp
+    # block (b, y) writes every output of request b's rows y, y+Y, ..., one row per warp
     y = -(-width // _ROWS_PER_BLOCK)
     with runtime.current_stream():
         mod.get_function("verify_inputs")(
