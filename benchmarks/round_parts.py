@@ -50,10 +50,8 @@ def _replay_time(graphs) -> float:
 
 
 def _kernel_trace(graph, replays: int = 20) -> dict:
-    """``{"kernels": [(name, median us, median gap us before it)], "span": median us}`` of ``graph``'s kernels over
-    ``replays`` replays (CUPTI kernel records via torch.profiler; kernels ordered by start within a replay)."""
-    import statistics
-
+    """``group_kernel_records`` of ``graph``'s kernels over ``replays`` replays (CUPTI kernel records via
+    torch.profiler, one synchronised replay after another)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,8 +61,20 @@ def _kernel_trace(graph, replays: int = 20) -> dict:
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()  # replays apart: each one's kernels form one group below
-    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))))
+    return group_kernel_records([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                                 if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))],
+                                replays)
+
+
+def group_kernel_records(records, replays: int) -> dict:
+    """``{"kernels": [(name, median us, median gap us before it)], "span": median us}`` from ``(start us, end us,
+    name)`` kernel records of ``replays`` replays of one graph: sorted by start and cut into ``replays`` equal groups
+    (one per replay); a kernel's gap is its start minus the latest end among the kernels before it in its replay
+    (negative: it overlaps one, a concurrent branch), the first kernel's is 0; the span is a replay's last end minus
+    its first start. Records that do not split evenly give one row saying so and a NaN span."""
+    import statistics
+
+    kernels = sorted(records)
     if not kernels or len(kernels) % replays:
         return {"kernels": [("(kernel records not grouped by replay: %d records)" % len(kernels), 0.0, 0.0)],
                 "span": float("nan")}

@@ -98,3 +98,22 @@ def test_compare_dumps_matches_nodes_by_token_path_when_the_order_differs(tmp_pa
     assert abs(row["max_abs"] - 0.5) < 1e-6
     # a swapped-but-unmatched order (compared row by row) would have seen differences far above 0.5
     assert float((logits_a - logits_b).abs().max()) > 0.5
+
+
+def test_round_parts_groups_kernel_records_per_replay():
+    """``round_parts.py --trace``'s grouping of CUPTI kernel records (the profiling itself needs the H200)."""
+    spec = importlib.util.spec_from_file_location("round_parts", REPO / "benchmarks" / "round_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    records = []
+    for r, t0 in enumerate((0.0, 100.0, 200.0)):  # 3 replays: a, then b and c side by side (c starts 1 us into b)
+        slow = 1.0 if r == 2 else 0.0
+        records += [(t0, t0 + 10.0 + slow, "a"), (t0 + 10.5 + slow, t0 + 14.5 + slow, "b"),
+                    (t0 + 11.5 + slow, t0 + 13.5 + slow, "c")]
+    out = parts.group_kernel_records(list(reversed(records)), 3)
+    assert [name for name, _, _ in out["kernels"]] == ["a", "b", "c"]
+    assert [dur for _, dur, _ in out["kernels"]] == [10.0, 4.0, 2.0]
+    assert [gap for _, _, gap in out["kernels"]] == [0.0, 0.5, -3.0]  # c overlaps b: a concurrent branch
+    assert out["span"] == 14.5
+    bad = parts.group_kernel_records(records[:-1], 3)  # a record missing: not split into replays
+    assert "not grouped" in bad["kernels"][0][0] and bad["span"] != bad["span"]
