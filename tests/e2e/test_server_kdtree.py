@@ -220,23 +220,6 @@ def test_abort_mid_flight_leaves_the_server_exact(kdtree_server, greedy_results)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain]
 
 
-def test_small_budget_below_half_the_draft_block(plain_server, tiny_models, server_logs, greedy_results):
-    """Budget 2 (N = 3 < block_size / 2): the draft block (8 rows) is wider than SGLang's DFLASH reserve
-    of 2N slots, which ``patches/decode_reserve.py`` widens; outputs stay identical to the plain server."""
-    if plain_server.model_name != "llama":
-        pytest.skip("one target suffices for the reservation geometry")
-    plain, _ = greedy_results
-    server = start_server(tiny_models / "llama", server_logs, extra=_kdtree_args(tiny_models, "llama", width=3),
-                          name="kdtree-budget2")
-    try:
-        server.wait_ready()
-        spec = _concurrent(server, [_greedy(p) for p in PROMPTS])
-    finally:
-        server.stop()
-    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
-    assert sum(r["meta_info"]["completion_tokens"] for r in spec) > sum(r["meta_info"]["spec_verify_ct"] for r in spec)
-
-
 def test_service_healthcheck_passes_against_the_kdtree_server_and_fails_on_a_closed_port(kdtree_server):
     """service/healthcheck.sh, the gate of the systemd upgrade (issue 8), against the real KDTREE server."""
     script = str(REPO / "service" / "healthcheck.sh")
