@@ -427,6 +427,28 @@ def test_tree_edge_sizes(budget, depth, k, tree_kernel):
     _compare_trees(got, ref.build_trees(lp, ids, budget, roots))
 
 
+_VERIFY_POISON = -7  # no id, position, link or retrieve index the kernel writes is negative but -1
+_MASK_POISON = 0x5A  # a FULL_MASK byte the kernel writes is 0 or 1
+
+
+def _poison_verify_out(out):
+    """Every verify-input buffer filled with a value the kernel never writes (bool bytes as raw 0x5A)."""
+    for t in out.__dict__.values():
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(_MASK_POISON)
+        else:
+            t.fill_(_VERIFY_POISON)
+
+
+def _assert_untouched_past(out, mask_numel, rows):
+    """Nothing written past the batch: the FULL_MASK bytes after ``mask_numel`` and the rows after ``rows``."""
+    assert bool((out.full_mask.view(torch.uint8)[mask_numel:] == _MASK_POISON).all()), "wrote past the FULL_MASK"
+    for name in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
+        assert bool((getattr(out, name)[rows:] == _VERIFY_POISON).all()), f"wrote {name} past the batch"
+    words = out.ancestor_bits.numel() // out.input_ids.numel()
+    assert bool((out.ancestor_bits[rows * words:] == _VERIFY_POISON).all()), "wrote ancestor_bits past the batch"
+
+
 def _verify_case(rng, bs, budget, max_seq, depth=15):
     """GPU verify inputs of GPU-built trees (outputs poisoned first, a poisoned guard past the mask) against the
     reference's on the reference's trees."""
@@ -440,19 +462,18 @@ def _verify_case(rng, bs, budget, max_seq, depth=15):
                           torch.from_numpy(roots).cuda(), check=True)
     mask_numel = verify.full_mask_numel(int(seq.sum()), budget + 1, bs)
     out = verify.alloc_verify_inputs(bs + 1, budget + 1, mask_numel + 4096, "cuda")
-    for t in out.__dict__.values():
-        t.fill_(1)  # poison (and the guard rows / bytes past what this batch may write)
+    _poison_verify_out(out)  # and the guard rows / bytes past what this batch may write
     got = verify.verify_inputs(gt, torch.from_numpy(seq).cuda(), seq_lens_sum=int(seq.sum()), out=out,
                                check=True)
     want = ref.verify_inputs(want_t, seq)
-    for f in ("input_ids", "positions", "full_mask", "retrieve_index", "retrieve_next_token",
-              "retrieve_next_sibling"):
+    for f in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
         np.testing.assert_array_equal(getattr(got, f).cpu().numpy().reshape(getattr(want, f).shape),
                                       getattr(want, f), err_msg=f)
+    # Compared as bytes: an unwritten mask byte still holds the poison, neither 0 nor 1.
+    np.testing.assert_array_equal(got.full_mask.view(torch.uint8).cpu().numpy().reshape(want.full_mask.shape),
+                                  want.full_mask.astype(np.uint8), err_msg="full_mask")
     np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
-    assert bool(out.full_mask[mask_numel:].all()), "wrote past the batch's FULL_MASK"
-    n = bs * (budget + 1)
-    assert bool((out.input_ids[n:] == 1).all()) and bool((out.retrieve_next_sibling[n:] == 1).all())
+    _assert_untouched_past(out, mask_numel, bs * (budget + 1))
 
 
 def test_verify_inputs_exact_mixed_prefixes():
@@ -495,12 +516,10 @@ def test_verify_inputs_flags_malformed_trees(flaw):
     seq = torch.tensor([3, 0, 17], dtype=torch.int64, device="cuda")
     mask_numel = verify.full_mask_numel(20, width, bs)
     out = verify.alloc_verify_inputs(bs + 1, width, mask_numel + 4096, "cuda")
-    for t in out.__dict__.values():
-        t.fill_(1)
+    _poison_verify_out(out)
     with pytest.raises(ValueError, match="malformed tree"):
         verify.verify_inputs(gt, seq, seq_lens_sum=20, out=out, check=True)
-    assert bool(out.full_mask[mask_numel:].all())
-    assert bool((out.input_ids[bs * width:] == 1).all())
+    _assert_untouched_past(out, mask_numel, bs * width)
     # the well-formed star alone raises nothing
     parents[:, 1:] = 0
     parents[:, 0] = -1
