@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,14 +208,15 @@ def test_moe_topk_sum_reference_matches_loop():
     ids = torch.randint(-1, E + 1, (M, top_k), generator=g)  # includes dropped (-1) and invalid (E) routes
     routed = torch.randn((M * top_k, K), generator=g).to(torch.bfloat16)
     got = twin.moe_topk_sum_reference(routed, ids, E, 2.5)
+    # Exact: the loop sums in fp32 in ascending k and rounds once to bf16, as the kernel's contract says.
     for m in range(M):
         for c in range(K):
-            acc = 0.0
+            acc = np.float32(0.0)
             for k in range(top_k):
                 if 0 <= int(ids[m, k]) < E:
-                    acc += float(routed[m * top_k + k, c])
-            want = torch.tensor(acc * 2.5, dtype=torch.float32).to(torch.bfloat16)
-            assert float(got[m, c]) == pytest.approx(float(want), rel=2**-7, abs=1e-30)
+                    acc = np.float32(acc + np.float32(float(routed[m * top_k + k, c])))
+            want = torch.tensor(float(np.float32(acc * np.float32(2.5))), dtype=torch.float32).to(torch.bfloat16)
+            assert float(got[m, c]) == float(want), (m, c)
 
 
 def test_fused_moe_reference_matches_dense_loop():
