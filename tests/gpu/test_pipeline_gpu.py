@@ -3,6 +3,8 @@ against ``pipeline.ReferenceBackend`` (the numpy oracle) over one whole round on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,10 +90,26 @@ def test_gpu_backend_round_equals_reference_backend(bs, budget, depths, vocab):
 
 
 def _poison_backend(gpu):
+    """Every reserved buffer filled with what no step writes: NaN, -3 (the only negative id / link is -1) and,
+    for the FULL_MASK, raw bytes 0x5A (a written byte is 0 or 1)."""
     b = gpu._builder
-    for t in (b.logprobs, b.token_ids, b.trees.tokens, b.trees.parents, b.trees.num_nodes, b.verify.full_mask,
-              b.verify.ancestor_bits, b.verify.input_ids, gpu._accept_storage, gpu._plan_storage):
-        t.fill_(True if t.dtype == torch.bool else (-3 if not t.is_floating_point() else float("nan")))
+    tensors = [b.logprobs, b.token_ids, gpu._accept_storage, gpu._plan_storage, gpu._hidden_storage]
+    tensors += [getattr(b.trees, f.name) for f in dataclasses.fields(b.trees)]
+    tensors += [getattr(b.verify, f.name) for f in dataclasses.fields(b.verify)]
+    for t in tensors:
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(0x5A)
+        else:
+            t.fill_(float("nan") if t.is_floating_point() else -3)
+
+
+def _assert_verify_equal(vg, vr):
+    """GPU verify inputs equal the reference's; the FULL_MASK compared as bytes (a poisoned byte is not 0 or 1)."""
+    for field in VERIFY_FIELDS:
+        got, want = getattr(vg, field).cpu(), getattr(vr, field)
+        if field == "full_mask":
+            got, want = got.view(torch.uint8), want.to(torch.uint8)
+        assert torch.equal(got.to(want.dtype), want), field
 
 
 def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
@@ -121,8 +139,7 @@ def test_reserved_gpu_backend_reuses_its_buffers_and_equals_the_reference():
             assert torch.equal(getattr(tg, field).cpu(), getattr(tr, field)), field
         vr = ref.verify_inputs(tr, seq_lens, int(seq_lens.sum()))
         vg = gpu.verify_inputs(tg, seq_lens.to(cuda), seq_lens_sum=int(seq_lens.sum()))
-        for field in VERIFY_FIELDS:
-            assert torch.equal(getattr(vg, field).cpu().to(getattr(vr, field).dtype), getattr(vr, field)), field
+        _assert_verify_equal(vg, vr)
         target = target_following_the_tree(tr, vocab, 0.8, gen)
         ar = ref.accept_greedy(tr, target, depths)
         ag = gpu.accept_greedy(tg, target.to(cuda), depths)
