@@ -377,6 +377,37 @@ def _binary_tree(order, depth, root_token=5):
     return tokens, parents, depths, paths
 
 
+@pytest.mark.parametrize("vocab", [256, 1000])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_sampled_draws_are_philox_at_the_documented_counter(vocab, dtype_name):
+    """The draws themselves, against an independent Philox4x32-10 (``tests/philox.py``, checked against
+    Random123's vectors): over ``vocab`` equal logits at T 1 every kept weight is 2^44 (the kernel's fixed
+    point), so the token drawn at a root-only tree is floor(u / 2^44) with u = floor(r * vocab * 2^44 / 2^64),
+    r the 64-bit uniform at key (seed lo, seed hi), counter (0, pos lo, pos hi, "kdtr"), pos = P + 1 (the
+    position of the token drawn after the root). Seeds negative and past 2^32, P across the 2^32 boundary."""
+    torch = _torch()
+    from philox import kdtree_uniform64
+    from sglang_kdtree.gpu.accept import accept_sampled
+
+    rng = np.random.default_rng(31)
+    n = 384
+    seeds = rng.integers(-(1 << 63), (1 << 63) - 1, size=n, dtype=np.int64)
+    seeds[:4] = [0, 1, -1, (1 << 32) + 5]
+    seq = rng.integers(0, 1 << 34, size=n, dtype=np.int64)
+    seq[:4] = [0, (1 << 32) - 1, (1 << 32) - 2, 12345]  # pos = 1, 2^32 (low word 0, high 1), 2^32 - 1, ...
+    trees = ref.TreeBatch(tokens=np.zeros((n, 1), np.int64), depths=np.zeros((n, 1), np.int64),
+                          parents=np.full((n, 1), -1, np.int64), num_nodes=np.zeros(n, np.int64))
+    logits = torch.zeros(n, vocab, dtype=getattr(torch, dtype_name), device="cuda")
+    res = accept_sampled(to_gpu(trees), logits, torch.ones(n, device="cuda"), torch.from_numpy(seeds).cuda(),
+                         torch.from_numpy(seq).cuda(), 0, out=poisoned_out(n, 1, 0))
+    assert error_bits(res.errors) == 0
+    weight = 1 << 44
+    want = [((kdtree_uniform64(s, p + 1) * vocab * weight) >> 64) // weight for s, p in zip(seeds, seq)]
+    np.testing.assert_array_equal(res.bonus.cpu().numpy(), np.array(want, dtype=np.int64))
+    np.testing.assert_array_equal(res.committed.cpu().numpy()[:, 0], np.array(want, dtype=np.int64))
+    np.testing.assert_array_equal(res.new_seq_lens.cpu().numpy(), seq + 1)
+
+
 def test_sampled_draws_are_keyed_by_position_not_node():
     """The token drawn at a visited node depends on (seed, absolute position P + depth + 1) and the node's
     logits only, not on the node's index: the same tree numbered breadth-first and depth-first (every
