@@ -2,6 +2,8 @@
 the exact best-first tree (thousands of random and tie-heavy cases, scores bit for bit), verify inputs,
 error flags and CUDA-graph replay. No timing here."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -570,8 +572,15 @@ def test_cuda_graph_replay_matches_eager():
         static_logits.copy_((torch.randn(bs, depth, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16))
 
     def snapshot(t, v):
-        return [x.clone() for x in (t.tokens, t.depths, t.parents, t.num_nodes, v.full_mask, v.positions,
-                                    v.ancestor_bits, v.retrieve_next_token, v.retrieve_next_sibling)]
+        return [x.clone() for x in (t.tokens, t.depths, t.parents, t.num_nodes, v.full_mask.view(torch.uint8),
+                                    v.input_ids, v.positions, v.ancestor_bits, v.retrieve_index,
+                                    v.retrieve_next_token, v.retrieve_next_sibling)]
+
+    def poison():  # the builder's tree and verify buffers, which the replay and the eager round both write
+        _poison_verify_out(builder.verify)
+        for f in dataclasses.fields(builder.trees):
+            t = getattr(builder.trees, f.name)
+            t.fill_(float("nan") if t.is_floating_point() else _VERIFY_POISON)
 
     fill(1)
     builder.round(static_logits, budget, roots, seq, seq_sum)  # warm-up: compiles the kernels
@@ -581,9 +590,11 @@ def test_cuda_graph_replay_matches_eager():
     graph, (g_trees, g_ver) = capture_graph(lambda: builder.round(static_logits, budget, roots, seq, seq_sum))
     for seed in (2, 3):
         fill(seed)
+        poison()
         graph.replay()
         torch.cuda.synchronize()
         replay = snapshot(g_trees, g_ver)
+        poison()
         e_trees, e_ver = builder.round(static_logits, budget, roots, seq, seq_sum)
         torch.cuda.synchronize()
         for a, b in zip(replay, snapshot(e_trees, e_ver)):
