@@ -293,8 +293,8 @@ def test_device_errors_are_flagged_not_written():
     tgt = np.zeros((bs, width), dtype=np.int64)
     tgt[0, :8] = trees.tokens[0, 1:]
     g = to_gpu(trees)
-    res = accept_greedy(g, torch.from_numpy(tgt).cuda(), 3)
-    assert error_bits(res.errors) & 4
+    res = accept_greedy(g, torch.from_numpy(tgt).cuda(), 3, out=poisoned_out(bs, width, 3))
+    assert error_bits(res.errors) == 4
     with pytest.raises(ValueError, match="max_depth"):
         res.raise_on_error()
     assert res.accepted[0].tolist() == [0, 1, 2, 3]
@@ -303,9 +303,11 @@ def test_device_errors_are_flagged_not_written():
     g.parents[2, 5] = 7
     logits = torch.randn(bs * width, 16, device="cuda")
     logits[0, 3] = float("nan")
-    res = accept_greedy(g, logits, width - 1)
+    res = accept_greedy(g, logits, width - 1, out=poisoned_out(bs, width, width - 1))
     assert error_bits(res.errors) == 1 | 2 | 8
     assert (res.accept_lens.cpu() >= 1).all()
+    for name in ("accept_lens", "bonus", "errors"):  # every request still gets its result
+        assert not (getattr(res, name) == POISON).any(), name
 
 
 def test_sampled_top_k_one_and_zero_temperature_are_greedy():
@@ -331,7 +333,8 @@ def test_sampled_top_k_one_and_zero_temperature_are_greedy():
                              out=poisoned_out(bs, width, width - 1))
         assert_same(res, expect, seq.cpu().numpy())
         # top_p tiny keeps only the top token too
-        res = accept_sampled(g, lt, temps, seeds, seq, top_ps=torch.full((bs,), 1e-6, device="cuda"))
+        res = accept_sampled(g, lt, temps, seeds, seq, top_ps=torch.full((bs,), 1e-6, device="cuda"),
+                             out=poisoned_out(bs, width, width - 1))
         assert_same(res, expect, seq.cpu().numpy())
 
 

@@ -171,11 +171,15 @@ def test_glue_moe_topk_sum_is_exact(M, top_k, K):
     g = torch.Generator(device="cuda")
     g.manual_seed(K)
     routed = torch.randn((M * top_k, K), device="cuda", generator=g).to(torch.bfloat16)
+    # Marlin never writes the rows of dropped or invalid routes: garbage there must not reach the sum.
+    dead = (ids < 0) | (ids >= E)
+    routed.view(M, top_k, K)[dead] = float("nan")
     for factor in (1.0, 2.827):
         got = launch.moe_topk_sum(routed, ids, E, factor)
         want = twin.moe_topk_sum_reference(routed, ids, E, factor)
+        assert not want.isnan().any()
         assert torch.equal(got, want)
-    out = torch.empty((M, K), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
     assert launch.moe_topk_sum(routed, ids.to(torch.int64), E, 1.5, out=out) is out
     assert torch.equal(out, twin.moe_topk_sum_reference(routed, ids, E, 1.5))
 

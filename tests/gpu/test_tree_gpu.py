@@ -125,13 +125,17 @@ def test_topk_unaligned_rows():
         _check_topk(t.float().cpu().numpy(), 300, lp, ids)
 
 
-@pytest.mark.parametrize("shards", [1, 2, 4, 8])
-def test_tp_shards_merge_to_unsharded(shards, groups):
+@pytest.mark.parametrize(("shards", "k"), [(1, 256), (2, 256), (4, 256), (8, 256), (3, 256), (5, 100), (8, 1024)])
+def test_tp_shards_merge_to_unsharded(shards, k, groups):
+    """S x Ks candidates per row: powers of two, 768 and 500 (the merge's sort pads them) and 8192 (its limit);
+    with two or more shards one row is entirely -inf in shard 0 (that shard's lse is -inf, which is legal)."""
     topk, _, _ = _gpu()
-    rng = np.random.default_rng(shards)
-    v, k = 32000, 256
+    rng = np.random.default_rng(shards * 10007 + k)
+    v = 32000
     x = (rng.integers(-40, 8, size=(3, 5, v)) / 8).astype(np.float32)
     bounds = np.linspace(0, v, shards + 1).astype(int)
+    if shards > 1:
+        x[1, 2, bounds[0]: bounds[1]] = -np.inf
     parts = []
     for s in range(shards):
         sl = x[..., bounds[s]: bounds[s + 1]]
@@ -555,6 +559,14 @@ def test_errors_flagged_like_reference(groups, tree_kernel):
     bad[1, 0, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         tree.build_trees(bad, ids, 5, roots, check=True)
+    bad = lp.clone()
+    bad[0, 2, 0] = float("inf")  # rank 0 of its depth: still sorted, only the +inf is wrong
+    with pytest.raises(ValueError, match=r"logprobs contains \+inf"):
+        tree.build_trees(bad, ids, 5, roots, check=True)
+    bad_ids = ids.clone()
+    bad_ids[1, 1, 2] = -4
+    with pytest.raises(ValueError, match="negative id"):
+        tree.build_trees(lp, bad_ids, 5, roots, check=True)
     tree.build_trees(lp, ids, 5, roots, check=True)  # clean input: no error
 
 
