@@ -36,6 +36,11 @@ TREE_MASK_BACKENDS = {
 #: Backends known to plan causal-only verify (they would verify a chain and silently lose the tree).
 CAUSAL_ONLY_BACKENDS = ("flashmla", "trtllm_mla", "flashinfer_mla", "cutedsl_mla", "trtllm_mha")
 
+#: What the plugin writes into SGLang's EAGLE fields: one drafter forward per round, and a top-k above 1, which
+#: only switches fa3 / triton into tree-mask mode (a user value other than these is refused, not overridden).
+KDTREE_NUM_STEPS = 1
+KDTREE_EAGLE_TOPK = 2
+
 #: Whether the worker keeps the decode path free of host syncs, so SGLang's overlap scheduler may run it.
 #: While False, a server started without ``--disable-overlap-schedule`` is refused at startup.
 SUPPORTS_OVERLAP = False
@@ -64,7 +69,8 @@ def validate_server_args(server_args) -> None:
 
     Writes the verify width when unset and the EAGLE-style fields SGLang's tree-verify machinery reads:
     ``speculative_num_steps = 1`` and ``speculative_eagle_topk = 2`` (a value > 1 switches fa3 / triton into
-    tree-mask mode; DDTree's own top-K is ``min(B, V)`` and does not use this field).
+    tree-mask mode; DDTree's own top-K is ``min(B, V)`` and does not use this field). A user value for either
+    other than those is refused: it would have no effect.
     """
     sa = server_args
     width = sa.speculative_num_draft_tokens
@@ -135,9 +141,23 @@ def validate_server_args(server_args) -> None:
             "the host); add --disable-overlap-schedule"
         )
 
+    # EAGLE's knobs: the plugin sets both below; a different value asked for would be silently overridden.
+    steps = sa.speculative_num_steps
+    if steps is not None and int(steps) != KDTREE_NUM_STEPS:
+        raise ValueError(
+            f"KDTREE: --speculative-num-steps {steps} does not apply (DDTree runs the drafter once per round; the "
+            "tree is at most the drafter's block size - 1 deep, --speculative-dflash-block-size); drop it"
+        )
+    topk = sa.speculative_eagle_topk
+    if topk is not None and int(topk) != KDTREE_EAGLE_TOPK:
+        raise ValueError(
+            f"KDTREE: --speculative-eagle-topk {topk} does not apply (DDTree's per-depth top-K is the node budget, "
+            "--speculative-num-draft-tokens - 1); drop it"
+        )
+
     sa.speculative_num_draft_tokens = width
-    sa.speculative_num_steps = 1
-    sa.speculative_eagle_topk = 2
+    sa.speculative_num_steps = KDTREE_NUM_STEPS
+    sa.speculative_eagle_topk = KDTREE_EAGLE_TOPK
 
 
 class KDTreeSpec(CustomSpecAlgo):

@@ -116,6 +116,9 @@ def test_valid_configuration_resolves(model_dir):
     assert cfg.speculative_num_draft_tokens == 257
     cfg = resolve(model_dir, "--speculative-num-draft-tokens", "1025")
     assert cfg.speculative_num_draft_tokens == state.MAX_WIDTH == state.MAX_BUDGET + 1
+    # EAGLE's knobs at the values the plugin sets anyway are accepted (a command line that spells them out)
+    cfg = resolve(model_dir, "--speculative-num-steps", "1", "--speculative-eagle-topk", "2")
+    assert cfg.speculative_num_steps == 1 and cfg.speculative_eagle_topk == 2
 
 
 @pytest.mark.parametrize(
@@ -127,6 +130,9 @@ def test_valid_configuration_resolves(model_dir):
         (["--attention-backend", "flashmla"], r"--attention-backend flashmla plans causal.*use --attention-backend"),
         (["--attention-backend", "triton"], r"--attention-backend triton is not known.*supported on cpu"),
         (["--page-size", "16"], r"--page-size 16 is not supported.*use --page-size 1"),
+        (["--speculative-num-steps", "5"], r"--speculative-num-steps 5 does not apply.*drop it"),
+        (["--speculative-eagle-topk", "8"], r"--speculative-eagle-topk 8 does not apply.*drop it"),
+        (["--speculative-eagle-topk", "1"], r"--speculative-eagle-topk 1 does not apply.*drop it"),
     ],
 )
 def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
