@@ -41,6 +41,24 @@ CAUSAL_ONLY_BACKENDS = ("flashmla", "trtllm_mla", "flashinfer_mla", "cutedsl_mla
 KDTREE_NUM_STEPS = 1
 KDTREE_EAGLE_TOPK = 2
 
+#: (ServerArgs field, flag, the value that means "off", why KDTREE refuses any other): speculative options that
+#: SGLang accepts for a DFLASH-family algorithm but the KDTREE round would silently not apply.
+_UNSERVED_SPEC_FLAGS = (
+    ("speculative_accept_threshold_single", "--speculative-accept-threshold-single", 1.0,
+     "the tree accept samples each node exactly from the target's filtered distribution; no threshold applies"),
+    ("speculative_accept_threshold_acc", "--speculative-accept-threshold-acc", 1.0,
+     "the tree accept samples each node exactly from the target's filtered distribution; no threshold applies"),
+    ("speculative_use_rejection_sampling", "--speculative-use-rejection-sampling", False,
+     "the tree accept samples each node from the target and walks to the matching child; it has no "
+     "rejection-sampling mode"),
+    ("speculative_token_map", "--speculative-token-map", None,
+     "the tree ranks the drafter's full-vocabulary distributions; a reduced draft vocabulary is not implemented"),
+    ("speculative_draft_window_size", "--speculative-draft-window-size", None,
+     "the tree round's draft block reads the whole draft KV cache, not DFLASH's compact sliding window"),
+    ("speculative_draft_sink_size", "--speculative-draft-sink-size", None,
+     "the tree round's draft block reads the whole draft KV cache, not DFLASH's compact sliding window"),
+)
+
 #: Whether the worker keeps the decode path free of host syncs, so SGLang's overlap scheduler may run it.
 #: While False, a server started without ``--disable-overlap-schedule`` is refused at startup.
 SUPPORTS_OVERLAP = False
@@ -141,6 +159,10 @@ def validate_server_args(server_args) -> None:
             "the host); add --disable-overlap-schedule"
         )
 
+    for field, flag, off, why in _UNSERVED_SPEC_FLAGS:
+        value = getattr(sa, field, off)
+        if value is not None and value != off:
+            raise ValueError(f"KDTREE: {flag} {value} is not supported ({why}); drop {flag}")
     # EAGLE's knobs: the plugin sets both below; a different value asked for would be silently overridden.
     steps = sa.speculative_num_steps
     if steps is not None and int(steps) != KDTREE_NUM_STEPS:

@@ -133,6 +133,12 @@ def test_valid_configuration_resolves(model_dir):
         (["--speculative-num-steps", "5"], r"--speculative-num-steps 5 does not apply.*drop it"),
         (["--speculative-eagle-topk", "8"], r"--speculative-eagle-topk 8 does not apply.*drop it"),
         (["--speculative-eagle-topk", "1"], r"--speculative-eagle-topk 1 does not apply.*drop it"),
+        (["--speculative-accept-threshold-single", "0.5"],
+         r"--speculative-accept-threshold-single 0.5 is not supported.*drop --speculative-accept-threshold-single"),
+        (["--speculative-accept-threshold-acc", "0.9"], r"--speculative-accept-threshold-acc 0.9 is not supported"),
+        (["--speculative-use-rejection-sampling"], r"--speculative-use-rejection-sampling True is not supported"),
+        (["--speculative-token-map", "/tmp/map.pt"], r"--speculative-token-map /tmp/map.pt is not supported"),
+        (["--speculative-draft-window-size", "512"], r"--speculative-draft-window-size 512 is not supported.*window"),
     ],
 )
 def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
