@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import cuda_poison
 from sglang_kdtree import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -20,10 +21,8 @@ def _torch():
 
 
 def poison_allocator():
-    """Fill freed cache blocks with garbage so torch.empty outputs start poisoned."""
-    torch = _torch()
-    junk = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device="cuda")
-    del junk
+    """Fill freed cache blocks (both of the allocator's pools) with garbage so torch.empty outputs start poisoned."""
+    cuda_poison.poison_allocator(0x5A)
 
 
 def random_paths(rng, bs, width, max_len):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+import cuda_poison
 from sglang_kdtree.moe import forward as fwd
 from sglang_kdtree.moe import jit, launch
 from sglang_kdtree.moe import reference as twin
@@ -39,10 +40,9 @@ def _torch():
 
 
 def poison_allocator():
-    """Fill freed cache blocks with garbage so torch.empty buffers (and our outputs) start poisoned."""
-    torch = _torch()
-    junk = torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device="cuda")  # bf16 0x7F7F: a huge value
-    del junk
+    """Fill freed cache blocks (both of the allocator's pools) with garbage so torch.empty buffers (and our
+    outputs) start poisoned: bf16 0x7F7F is a huge value."""
+    cuda_poison.poison_allocator(0x7F, large_bytes=256 << 20)
 
 
 def routing(M, top_k, E, kind, seed):
