@@ -192,6 +192,36 @@ def test_gpu_plan_then_compact_end_to_end():
 
 
 @pytest.mark.parametrize("dtype_name,d", [("bfloat16", 7168), ("float32", 1000), ("float16", 3)])
+def test_gather_hidden_out_zeroes_bad_and_padding_rows_and_flags_bad_ones(dtype_name, d):
+    """Into a caller's NaN-poisoned ``out`` (the backend always passes one): a valid row is copied, a padding
+    row (-1) is zeroed silently, and a row index past the verify rows or below -1 is zeroed and flagged."""
+    torch = _torch()
+    from sglang_kdtree.gpu.compact import gather_hidden
+    from sglang_kdtree.gpu.errors import ERR_BAD_HIDDEN_ROW
+
+    bs, width = 2, 9
+    dtype = getattr(torch, dtype_name)
+    hidden = torch.randn(bs * width, d, device="cuda").to(dtype)
+    plan = type("Plan", (), {})()  # what gather_hidden reads of a commit plan
+    plan.hidden_rows = torch.tensor([[0, 4, -1, -1], [width + 3, -1, -1, -1]], dtype=torch.int64, device="cuda")
+    plan.errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((bs, 4, d), float("nan"), dtype=dtype, device="cuda")
+    assert gather_hidden(hidden, plan, out=out) is out
+    assert int(plan.errors.item()) == 0
+    assert torch.equal(out[0, 0], hidden[0]) and torch.equal(out[0, 1], hidden[4])
+    assert torch.equal(out[1, 0], hidden[width + 3])  # request 1's rows start at width
+    assert torch.equal(out[0, 2:], torch.zeros_like(out[0, 2:])) and torch.equal(out[1, 1:], torch.zeros_like(out[1, 1:]))
+    for bad in (bs * width, -2):
+        plan.hidden_rows[1, 0] = bad
+        out.fill_(float("nan"))
+        gather_hidden(hidden, plan, out=out)
+        assert int(plan.errors.item()) == ERR_BAD_HIDDEN_ROW
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(out[0, 1], hidden[4])
+        plan.errors.zero_()
+
+
+@pytest.mark.parametrize("dtype_name,d", [("bfloat16", 7168), ("float32", 1000), ("float16", 3)])
 def test_gather_hidden_matches_reference(dtype_name, d):
     torch = _torch()
     from sglang_kdtree.gpu.compact import commit_plan, gather_hidden
