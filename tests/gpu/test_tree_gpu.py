@@ -29,6 +29,15 @@ def groups(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["histogram", "cut"])
+def topk_impl(request, monkeypatch):
+    """Runs a top-K test with each pipeline (``SGLANG_KDTREE_TOPK_IMPL``: the default histogram select and the
+    cut pipeline) for the workspaces the launcher builds itself."""
+    topk, _, _ = _gpu()
+    monkeypatch.setattr(topk, "IMPL", request.param)
+    return request.param
+
+
 @pytest.fixture(params=["list", "slots"])
 def tree_kernel(request, monkeypatch):
     """Runs a tree test twice: with the launcher's choice (the sorted-list kernels ``build_trees_list1/2/4``
@@ -58,7 +67,7 @@ def _check_topk(logits_np, k, gpu_lp, gpu_ids):
 
 @pytest.mark.parametrize("v", [1, 7, 100, 8191, 8192, 8193, 20000, 163840])
 @pytest.mark.parametrize("k", [1, 5, 64, 1024])
-def test_topk_fp32_random_and_ties(v, k):
+def test_topk_fp32_random_and_ties(v, k, topk_impl):
     topk, _, _ = _gpu()
     rng = np.random.default_rng(v * 7 + k)
     for kind in ("normal", "ties"):
@@ -115,7 +124,20 @@ def test_topk_two_group_kernels_run_and_are_exact(groups):
     assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
 
-def test_topk_unaligned_rows():
+@pytest.mark.parametrize("v", [8192, 8193, 8200, 16384, 16392])
+@pytest.mark.parametrize("k", [1, 64, 1024])
+def test_topk_bf16_chunk_boundaries(v, k, groups, topk_impl):
+    """bf16 rows at and just past the 8192- and 16384-column chunk widths (8193: rows not 16-byte aligned)."""
+    topk, _, _ = _gpu()
+    g = torch.Generator(device="cuda").manual_seed(v + k)
+    x = (torch.randn(7, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x[2, -1] = 30.0  # the winner in the last column
+    x[3] = -2.0  # a fully tied row
+    lp, ids = topk.topk_logprobs(x, k, check=True)
+    _check_topk(x.float().cpu().numpy(), k, lp, ids)
+
+
+def test_topk_unaligned_rows(topk_impl):
     topk, _, _ = _gpu()
     rng = np.random.default_rng(3)
     x = (rng.integers(-4, 4, size=(4, 10007)) / 4).astype(np.float32)
