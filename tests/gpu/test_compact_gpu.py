@@ -84,6 +84,31 @@ def test_commit_plan_flags_invalid_paths():
         assert (plan.src_slots.cpu().numpy() == -1).all()
 
 
+def test_invalid_paths_in_a_batch_end_only_their_own_rows():
+    """Four invalid paths beside two valid ones (one a real move, one the root alone), into poisoned storage:
+    the bad requests' rows are all -1 and flagged, the good ones equal the reference's."""
+    torch = _torch()
+    from sglang_kdtree.gpu.compact import commit_plan
+
+    accepted = np.array([[0, 2, 1, -1], [1, 2, -1, -1], [0, 5, -1, -1], [0, 1, 2, 3], [0, 1, 3, -1],
+                         [0, -1, -1, -1]], dtype=np.int64)
+    tau = np.array([3, 2, 2, 5, 3, 1], dtype=np.int64)
+    bs, m = accepted.shape
+    slots = (np.arange(bs * 4, dtype=np.int64).reshape(bs, 4) * 3 + 100)
+    storage = torch.full((3 * bs * m,), 0x5A5A5A5A5A5A5A5A, dtype=torch.int64, device="cuda")
+    plan = commit_plan(cuda(accepted), cuda(tau), cuda(slots), storage=storage)
+    assert int(plan.errors.item()) == 64
+    fixed_acc, fixed_tau = accepted.copy(), tau.copy()  # the bad requests replaced by root-only paths
+    fixed_acc[:4] = [0, -1, -1, -1]
+    fixed_tau[:4] = 1
+    expect = ref.commit_plan(fixed_acc, fixed_tau, slots)
+    for name in ("src_slots", "dst_slots", "hidden_rows"):
+        got = getattr(plan, name).cpu().numpy()
+        assert (got[:4] == -1).all(), name
+        np.testing.assert_array_equal(got[4:], getattr(expect, name)[4:], err_msg=name)
+    assert getattr(expect, "src_slots")[4, 2] != getattr(expect, "dst_slots")[4, 2]  # request 4 really moves
+
+
 def _check_compact(kv_layers_np, plan_np, table_arg, torch_layers, errors_expected=0):
     """Apply ours on the GPU tensors and the reference on a numpy copy, compare bytes."""
     from sglang_kdtree.gpu.compact import compact_kv, GPUCommitPlan
