@@ -9,8 +9,9 @@
 #   --dry-run        run the preflight and print every change (file diffs, commands) without making any
 #   --no-restart     install the files and reload systemd, but leave the running service alone
 #
-# Steps: preflight (Python and SGLang versions, kdtree resolves after load_plugins(), GPU count >= TP, model
-# paths exist, no drop-in overrides ExecStart); back up the unit, env file and scripts about to change
+# Steps: preflight (Python and SGLang versions, kdtree resolves after load_plugins(), the command line passes
+# SGLang's argument parser and KDTREE's startup checks, GPU count >= TP, model paths exist, no drop-in
+# overrides ExecStart); back up the unit, env file and scripts about to change
 # (under /var/lib/sglang-kdtree/backups); install; systemctl daemon-reload and restart; healthcheck.sh.
 # If the restart or the healthcheck fails, rollback.sh restores the backup and restarts the old service.
 # Running it again with the same inputs changes nothing. Nothing is changed when the preflight fails.
@@ -73,7 +74,7 @@ fi
 python_report=$(
     kdtree_load_env_file "$env_src"
     [[ -n ${KDTREE_PYTHON:-} ]] || exit 0
-    timeout 600 "$KDTREE_PYTHON" - 2>&1 <<'EOF' || echo "python-exit $?"
+    KDTREE_PREFLIGHT_COMMAND=${command_line:-} timeout 600 "$KDTREE_PYTHON" - 2>&1 <<'EOF' || echo "python-exit $?"
 import sys
 from importlib import metadata
 
@@ -97,6 +98,32 @@ try:
     print("kdtree resolves", type(SpeculativeAlgorithm.from_string("kdtree")).__name__)
 except Exception as exc:  # report any failure as a preflight finding, not a traceback
     print("kdtree error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+
+# The unit's command line through SGLang's own argument parser and KDTREE's startup checks (the ones the server
+# runs before loading anything): a refused flag fails here, not at the restart of a loaded server.
+import argparse, contextlib, io, os, shlex
+
+argv = shlex.split(os.environ.get("KDTREE_PREFLIGHT_COMMAND", ""))
+if "sglang.launch_server" in argv:
+    argv = argv[argv.index("sglang.launch_server") + 1:]
+    err = io.StringIO()
+    try:
+        from sglang.srt.server_args import ServerArgs
+        from sglang_kdtree import spec
+
+        parser = argparse.ArgumentParser(prog="sglang serve")
+        ServerArgs.add_cli_args(parser)
+        with contextlib.redirect_stderr(err):
+            namespace = parser.parse_args(argv)
+        spec.validate_server_args(namespace)
+        print("flags ok")
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines() or ["(no message)"]
+        print("flags error SGLang's argument parser refuses it:", lines[-1])  # its last line; the rest is usage
+    except Exception as exc:
+        print("flags error", f"{exc}".replace("\n", " "))
+else:
+    print("flags error no command line to check (launch.sh --print failed)")
 EOF
 ) || true
 report_field() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' <<<"$python_report"; }
@@ -127,6 +154,14 @@ else
         check_ok "--speculative-algorithm kdtree resolves after load_plugins()"
     else
         check_fail "--speculative-algorithm kdtree does not resolve after sglang.srt.plugins.load_plugins(): ${kdtree_line#error } (run: python -m sglang_kdtree doctor; check SGLANG_PLUGINS)"
+    fi
+    flags_line=$(report_field flags)
+    if [[ $flags_line == ok ]]; then
+        check_ok "the command line passes SGLang's argument parser and KDTREE's startup checks"
+    elif [[ -n $flags_line ]]; then
+        check_fail "the command line would not start: ${flags_line#error }"
+    else
+        check_fail "the command line was not checked (the Python check gave no result): $python_report"
     fi
     if exit_line=$(report_field python-exit) && [[ -n $exit_line ]]; then
         check_fail "the Python check exited with status $exit_line: $python_report"

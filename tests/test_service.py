@@ -43,6 +43,7 @@ GOOD_PYTHON_REPORT = [
     "sglang-kdtree 0.1.0",
     "sglang-pin 0.5.23",
     "kdtree resolves KDTreeSpec",
+    "flags ok",
 ]
 
 
@@ -643,7 +644,7 @@ def test_preflight_failure_stops_the_install_and_changes_nothing(tmp_path, case,
     elif case == "too few GPUs":
         gpus = "2"
     elif case == "plugin not found":
-        report[-1] = "kdtree error ValueError: Unknown speculative algorithm name: KDTREE"
+        report[report.index("kdtree resolves KDTreeSpec")] = "kdtree error ValueError: Unknown speculative algorithm name: KDTREE"
     elif case == "wrong sglang":
         report[1] = "sglang 0.5.9"
     elif case == "old python":
@@ -666,9 +667,34 @@ def test_preflight_failure_stops_the_install_and_changes_nothing(tmp_path, case,
 def test_preflight_with_the_real_python_finds_sglang_and_the_plugin(tmp_path):
     """The preflight's Python check, run for real in this environment (sglang and sglang-kdtree installed)."""
     root = old_root(tmp_path)
-    site = make_site(tmp_path, KDTREE_PYTHON=sys.executable)
+    site = make_site(tmp_path, KDTREE_PYTHON=sys.executable,
+                     KDTREE_EXTRA_ARGS='"--trust-remote-code --disable-overlap-schedule"')
     result = install(root, write_env(tmp_path / "site.env", site), "--dry-run", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
 
     assert f"ok   SGLang {metadata.version('sglang')}, sglang-kdtree {metadata.version('sglang-kdtree')}" in result.stdout
     assert "ok   --speculative-algorithm kdtree resolves after load_plugins()" in result.stdout
+    assert "ok   the command line passes SGLang's argument parser and KDTREE's startup checks" in result.stdout
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ('"--trust-remote-code"', "the command line would not start: KDTREE: overlap scheduling is not supported yet"),
+    ('"--trust-remote-code --disable-overlap-schedule --speculative-eagle-topk 8"',
+     "the command line would not start: KDTREE: --speculative-eagle-topk 8 does not apply"),
+    ('"--trust-remote-code --disable-overlap-schedule --no-such-flag"',
+     "the command line would not start: SGLang's argument parser refuses it: sglang serve: error: unrecognized "
+     "arguments: --no-such-flag"),
+])
+def test_preflight_runs_the_servers_own_flag_checks(tmp_path, extra, message):
+    """With the real Python: a command line the server would refuse at startup (KDTREE's checks, or SGLang's
+    parser) stops the install before anything changes, instead of failing the restart of a loaded server."""
+    root = old_root(tmp_path)
+    systemctl, log = fake_systemctl(tmp_path)
+    site = make_site(tmp_path, KDTREE_PYTHON=sys.executable, KDTREE_EXTRA_ARGS=extra)
+    before = snapshot(root)
+    result = install(root, write_env(tmp_path / "site.env", site), systemctl=systemctl, timeout=600)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stdout + result.stderr
+    assert "preflight failed; nothing was changed" in result.stderr
+    assert snapshot(root) == before
+    assert systemctl_calls(log) == []
