@@ -100,28 +100,19 @@ except Exception as exc:  # report any failure as a preflight finding, not a tra
     print("kdtree error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
 
 # The unit's command line through SGLang's own argument parser and KDTREE's startup checks (the ones the server
-# runs before loading anything): a refused flag fails here, not at the restart of a loaded server.
-import argparse, contextlib, io, os, shlex
+# runs before loading anything; the doctor's --launch-command check): a refused flag fails here, not at the
+# restart of a loaded server.
+import os
 
-argv = shlex.split(os.environ.get("KDTREE_PREFLIGHT_COMMAND", ""))
-if "sglang.launch_server" in argv:
-    argv = argv[argv.index("sglang.launch_server") + 1:]
-    err = io.StringIO()
+command = os.environ.get("KDTREE_PREFLIGHT_COMMAND", "")
+if "sglang.launch_server" in command:
     try:
-        from sglang.srt.server_args import ServerArgs
-        from sglang_kdtree import spec
+        from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
 
-        parser = argparse.ArgumentParser(prog="sglang serve")
-        ServerArgs.add_cli_args(parser)
-        with contextlib.redirect_stderr(err):
-            namespace = parser.parse_args(argv)
-        spec.validate_server_args(namespace)
-        print("flags ok")
-    except SystemExit:
-        lines = err.getvalue().strip().splitlines() or ["(no message)"]
-        print("flags error SGLang's argument parser refuses it:", lines[-1])  # its last line; the rest is usage
+        problem = launch_args_problem(server_argv(command))
+        print("flags ok" if problem is None else "flags error " + problem.replace("\n", " "))
     except Exception as exc:
-        print("flags error", f"{exc}".replace("\n", " "))
+        print("flags error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
 else:
     print("flags error no command line to check (launch.sh --print failed)")
 EOF

@@ -17,7 +17,10 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
 7. optional ``--model-path`` / ``--speculative-draft-model-path``: the paths exist, the target's architecture
    is one SGLang's DFlash drafter can serve under DDTree (its hidden states can be captured, attention is
    MHA or MLA, no linear-attention / Mamba layers), and the drafter's block size is in the range DDTree
-   supports.
+   supports;
+8. optional ``--launch-command "python -m sglang.launch_server ..."``: the server's arguments pass SGLang's own
+   argument parser and KDTREE's startup checks (``doctor_launch.py``; what the server would refuse before it
+   loads anything).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
+from sglang_kdtree.doctor_launch import check_launch_command
 
 #: The SGLang release this package is written against (also the exact pin in pyproject.toml).
 SUPPORTED_SGLANG = "0.5.23"
@@ -427,6 +431,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: off)")
     p.add_argument("--arch", default=DEFAULT_ARCH, metavar="SM",
                    help="compute capability for the kernel compile check when there is no GPU (default: %(default)s)")
+    p.add_argument("--launch-command", default=None, metavar="CMD",
+                   help="also check a server command line (quoted; the whole 'python -m sglang.launch_server ...' "
+                        "or only its arguments) against SGLang's parser and KDTREE's startup checks "
+                        "(default: none)")
     p.add_argument("--verbose", action="store_true", help="show SGLang's plugin log and full tracebacks (default: off)")
 
 
@@ -452,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
         target_layers = check_target(report, args.model_path, args.trust_remote_code) or None
     if args.speculative_draft_model_path is not None:
         check_drafter(report, args.speculative_draft_model_path, args.speculative_dflash_block_size, target_layers)
+    if args.launch_command is not None:
+        check_launch_command(report, args.launch_command)
     return _finish(report)
 
 

@@ -217,3 +217,34 @@ def test_missing_checkpoint_paths_are_refused_before_sglang_reads_them(plugins_l
         resolve(["--model-path", str(tmp_path / "no-such-target"), "--device", "cpu"])
     assert "kdtree" not in str(info.value).lower()
     assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("kdtree:")]
+
+
+def test_launch_args_problem_runs_sglangs_parser_then_kdtrees_checks():
+    """Check 8 (``doctor_launch``): what the server would refuse before it loads anything, with its message."""
+    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+
+    base = ["--model-path", "/m", "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", "/d",
+            "--attention-backend", "fa3", "--page-size", "1"]
+    assert launch_args_problem(base + ["--disable-overlap-schedule"]) is None
+    assert "overlap scheduling is not supported yet" in launch_args_problem(base)
+    assert "--speculative-eagle-topk 8 does not apply" in launch_args_problem(
+        base + ["--disable-overlap-schedule", "--speculative-eagle-topk", "8"])
+    assert launch_args_problem(base + ["--no-such-flag"]) == (
+        "SGLang's argument parser refuses it: sglang serve: error: unrecognized arguments: --no-such-flag")
+    # another algorithm is not ours to judge; the parser still is
+    assert launch_args_problem(["--model-path", "/m", "--speculative-algorithm", "dflash"]) is None
+    cmd = "/opt/venv/bin/python -m sglang.launch_server --model-path '/models/Kimi K2.6' --tp 8"
+    assert server_argv(cmd) == ["--model-path", "/models/Kimi K2.6", "--tp", "8"]
+    assert server_argv("sglang serve --model-path /m") == ["--model-path", "/m"]
+    assert server_argv("--model-path /m") == ["--model-path", "/m"]
+
+
+def test_doctor_launch_command_option():
+    """The CLI plumbing, one doctor run (each compiles every kernel): a refused command line fails the doctor."""
+    cmd = "python -m sglang.launch_server --model-path /m --speculative-algorithm kdtree " \
+          "--speculative-draft-model-path /d --attention-backend fa3 --page-size 1 --disable-overlap-schedule " \
+          "--speculative-num-steps 3"
+    result = run_doctor("", "--launch-command", cmd)
+    assert result.returncode == 1
+    assert any("launch command would not start: KDTREE: --speculative-num-steps 3 does not apply" in line
+               for line in fail_lines(result.stdout)), result.stdout

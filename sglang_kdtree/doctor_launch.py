@@ -1,0 +1,59 @@
+"""Doctor check 8: a server command line through SGLang's own argument parser and KDTREE's startup checks.
+
+``launch_args_problem`` is the one implementation; ``python -m sglang_kdtree doctor --launch-command "..."`` and
+``service/install.sh``'s preflight both call it, so a flag the server would refuse at startup (before it loads
+anything) is reported before a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+
+
+def launch_args_problem(argv: list[str]) -> str | None:
+    """Why ``python -m sglang.launch_server`` with these arguments would stop at startup, or None.
+
+    SGLang's argument parser first (an unknown flag, a bad value), then, for ``--speculative-algorithm kdtree``,
+    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kdtree import spec, state
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            namespace = parser.parse_args(argv)
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines() or ["(no message)"]
+        return f"SGLang's argument parser refuses it: {lines[-1]}"  # its last line; the rest is the usage
+    if not state.is_kdtree(getattr(namespace, "speculative_algorithm", None)):
+        return None
+    try:
+        spec.validate_server_args(namespace)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def server_argv(command_line: str) -> list[str]:
+    """The server's arguments in a command line: what follows ``sglang.launch_server`` (or ``sglang serve``)
+    when present, else the whole line."""
+    argv = shlex.split(command_line)
+    for i, word in enumerate(argv):
+        if word == "sglang.launch_server" or (word == "serve" and i > 0 and argv[i - 1].endswith("sglang")):
+            return argv[i + 1:]
+    return argv
+
+
+def check_launch_command(report, command_line: str) -> bool:
+    problem = launch_args_problem(server_argv(command_line))
+    if problem is None:
+        report.ok("launch command: passes SGLang's argument parser and KDTREE's startup checks")
+        return True
+    report.fail(f"launch command would not start: {problem}", "change the command line as the message says")
+    return False
