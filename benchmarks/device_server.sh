@@ -20,7 +20,7 @@
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"; UNIT_TESTS=<paths> narrows them), ALL_GPUS=1 (the tests / probe see every
-#   GPU: TP 2), BENCH_AFTER=1 (the bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline
+#   GPU: TP 2), UNIT_CAP (s, default 260: the unit step's cap), BENCH_AFTER=1 (the bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline
 #   are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0; with one: UNIT beside the tests /
 #   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
@@ -131,8 +131,8 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
 }
 run_unit() {  # the GPU unit tests (kernels vs their twins, the reserved GpuBackend, the round's graphs)
   # (the stand-in on the path: the Marlin tests import SGLang's quantization package, which imports sgl_kernel)
-  CUDA_VISIBLE_DEVICES=$1 step unit 260 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-    python3 -m pytest -q -p no:cacheprovider -ra -m "gpu and not slow" ${UNIT_TESTS:-tests/gpu}
+  CUDA_VISIBLE_DEVICES=$1 step unit "${UNIT_CAP:-260}" env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+    python3 -m pytest -q -p no:cacheprovider -ra --durations=15 -m "gpu and not slow" ${UNIT_TESTS:-tests/gpu}
 }
 if [ -n "${PARALLEL:-}" ] && [ "$NGPU" -ge 2 ]; then
   # PARALLEL=1: the unit tests and then the bench on GPU 1 while the tests / probe use GPU 0
