@@ -33,14 +33,19 @@ def fail_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("FAIL")]
 
 
+#: a Kimi-style launch line for --launch-command (check 8); ``+ " --speculative-num-steps 3"`` is refused
+LAUNCH = ("python -m sglang.launch_server --model-path /m --speculative-algorithm kdtree "
+          "--speculative-draft-model-path /d --attention-backend fa3 --page-size 1 --disable-overlap-schedule")
+
+
 def test_doctor_passes_on_this_installation():
-    result = run_doctor()
+    result = run_doctor("", "--launch-command", LAUNCH)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = result.stdout
     assert not fail_lines(out)
     assert out.rstrip().splitlines()[-1].startswith("status: OK")
     for check in ("sglang 0.5.23", "plugin: entry point kdtree loaded", "hooks applied by SGLang's HookRegistry",
-                  "kernel compile:"):
+                  "kernel compile:", "launch command: passes SGLang's argument parser and KDTREE's startup checks"):
         assert any(line.startswith("ok") and check in line for line in out.splitlines()), check
 
 
@@ -50,12 +55,15 @@ def test_doctor_fails_naming_the_fix_when_patch_targets_are_missing():
         "import sglang.srt.speculative.dflash_info_v2 as m; del m.DFlashDraftInputV2.prepare_for_decode\n"
         "import sglang.srt.managers.scheduler as s; del s.validate_dflash_request"
     )
-    result = run_doctor(before)
+    # (the same run, since each doctor run compiles every kernel: a refused --launch-command line fails too)
+    result = run_doctor(before, "--launch-command", LAUNCH + " --speculative-num-steps 3")
     assert result.returncode == 1, result.stdout
     out = result.stdout
     failures = fail_lines(out)
     assert any(HOOKED in line and "not patched by SGLang's HookRegistry" in line for line in failures), out
     assert any(NAMED in line and "does not exist in the installed SGLang" in line for line in failures), out
+    assert any("launch command would not start: KDTREE: --speculative-num-steps 3 does not apply" in line
+               for line in failures), out
     lines = out.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("FAIL"):
@@ -237,14 +245,3 @@ def test_launch_args_problem_runs_sglangs_parser_then_kdtrees_checks():
     assert server_argv(cmd) == ["--model-path", "/models/Kimi K2.6", "--tp", "8"]
     assert server_argv("sglang serve --model-path /m") == ["--model-path", "/m"]
     assert server_argv("--model-path /m") == ["--model-path", "/m"]
-
-
-def test_doctor_launch_command_option():
-    """The CLI plumbing, one doctor run (each compiles every kernel): a refused command line fails the doctor."""
-    cmd = "python -m sglang.launch_server --model-path /m --speculative-algorithm kdtree " \
-          "--speculative-draft-model-path /d --attention-backend fa3 --page-size 1 --disable-overlap-schedule " \
-          "--speculative-num-steps 3"
-    result = run_doctor("", "--launch-command", cmd)
-    assert result.returncode == 1
-    assert any("launch command would not start: KDTREE: --speculative-num-steps 3 does not apply" in line
-               for line in fail_lines(result.stdout)), result.stdout
