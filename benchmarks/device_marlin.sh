@@ -32,7 +32,7 @@ python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sgl
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit
 export MAX_JOBS=16
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
 which nvcc >> "$OUT/install.log" 2>&1; nvcc --version >> "$OUT/install.log" 2>&1
 
 step "Marlin JIT (seed from .jitcache/sm90a if present, else compile) in the background"

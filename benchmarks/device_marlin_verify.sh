@@ -23,7 +23,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} 
 python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit-marlin
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
 
 # the Marlin repack + MoE modules this path uses, seeded from the prebuilt copies (digest-checked against this
 # sglang / tvm-ffi; SGLang's own load_jit publishes them). No --warmup: a module that does not match would compile.

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-carry/whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
 if [ -n "${UNIT_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   timeout 300 python3 -m pytest -q -p no:cacheprovider -ra $UNIT_TESTS > "$OUT/unit.log" 2>&1

@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
 timeout 360 python3 -m pytest -q -p no:cacheprovider -ra tests/gpu/test_pipeline_gpu.py tests/gpu/test_mla_attention_gpu.py \
   tests/gpu/test_accept_gpu.py tests/gpu/test_compact_gpu.py tests/test_accept_boundary.py > "$OUT/tests.log" 2>&1
 echo "rc=$?"

@@ -95,7 +95,7 @@ import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), l
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
-git rev-parse HEAD > "$LOGS/commit.txt" 2>/dev/null
+bash benchmarks/commit_stamp.sh > "$LOGS/commit.txt"
 export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)
