@@ -20,8 +20,8 @@
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
 #   unit tests, -m "gpu and not slow"; UNIT_TESTS=<paths> narrows them), ALL_GPUS=1 (the tests / probe see every
-#   GPU: TP 2), UNIT_CAP (s, default 260: the unit step's cap), BENCH_AFTER=1 (the bench after the tests, alone on GPU 0; BENCH_AFTER_S seconds of the deadline
-#   are kept for it), PARALLEL=1
+#   GPU: TP 2), UNIT_CAP (s, default 260: the unit step's cap), BENCH_AFTER=1 (the bench after the tests, alone
+#   on GPU 0; BENCH_AFTER_S seconds of the deadline are kept for it), PARALLEL=1
 #   (with 2 GPUs: UNIT then BENCH on GPU 1 while the tests / probe run on GPU 0; with one: UNIT beside the tests /
 #   probe, BENCH after them; PARTS and KIMI_ROUND last), BENCH_KINDS (bench_server.py
 #   --kinds, e.g. "plain dflash kdtree kdtree-log"), PARTS=1 (benchmarks/round_parts.py after the unit tests;
