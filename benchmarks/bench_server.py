@@ -17,8 +17,9 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
   verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
   commit, drafter features, result). Per step (``steps`` in the round log), KDTREE's own bookkeeping is
-  ``topk + build + verify_inputs + accept + commit + result`` (draft logits -> verify inputs, accept and
-  commit); ``prepare`` (DFLASH's ``prepare_for_verify``: SGLang's attention metadata for the verify forward)
+  ``tree_prep + tree_step + accept_commit_kv + result`` with graphs (``topk + build + verify_inputs`` and
+  ``accept + commit`` step by step): draft logits -> verify inputs, accept and commit, and the tree step's host
+  work before the drafter's head GEMM (``tree_prep``, counted since session 12); ``prepare`` (DFLASH's ``prepare_for_verify``: SGLang's attention metadata for the verify forward)
   and ``features`` (DFLASH's drafter KV append of the accepted rows) are SGLang code that a DFLASH round runs
   too, reported beside it (``sglang_side``), not in it.
 
@@ -43,7 +44,8 @@ import cuda_servers  # noqa: E402
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
 #: and the SGLang (DFLASH) steps inside the tree / accept_commit phases
-OWN_STEPS = ("tree_step", "topk", "build", "verify_inputs", "accept_commit_kv", "accept", "commit", "accept_commit")
+OWN_STEPS = ("tree_prep", "tree_step", "topk", "build", "verify_inputs", "accept_commit_kv", "accept", "commit",
+             "accept_commit")
 SGLANG_STEPS = ("prepare", "features")
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12

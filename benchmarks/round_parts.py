@@ -41,6 +41,43 @@ def _time(fn, iters: int = 30) -> float:
     return cuda_time_us(fn, trials=iters, warmup=3)
 
 
+def _host_us(fn, iters: int = 40) -> float:
+    """Median host microseconds to issue ``fn()`` on an idle GPU (a synchronize before each call, none inside
+    the timing): what a host-paced server's GPU waits for."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _tree_step_host_split(call, iters: int = 40) -> tuple[float, float]:
+    """Median host microseconds of the worker's tree-step call ``call(mark)``: (whole call, from ``mark()``,
+    which the step calls once the head GEMM is issued, to the call's return). The second is the host work the
+    GPU waits for when the GEMM ends before it (a host-paced server)."""
+    import statistics
+    import time
+
+    whole, after = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        marked = []
+        t0 = time.perf_counter()
+        call(lambda: marked.append(time.perf_counter()))
+        t1 = time.perf_counter()
+        whole.append((t1 - t0) * 1e6)
+        after.append((t1 - marked[0]) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(whole), statistics.median(after)
+
+
 def _replay_time(graphs) -> float:
     """Median device microseconds of one replay of the step graph ``graphs`` captured last (nan if none)."""
     if not graphs._graphs:
@@ -146,6 +183,10 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     # the captured graph alone (top-K -> tree -> verify inputs): the device time when the host runs ahead, as in
     # a server whose host queues the step while the GPU still runs the draft forward
     out["tree graph replay"] = _replay_time(backend._tree_graphs)
+    out["tree_step host"], out["tree_step host after GEMM"] = _tree_step_host_split(
+        lambda mark: backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_sum, mark=mark))
+    if backend._tree_graphs._graphs:
+        out["replay host"] = _host_us(_last_graph(backend._tree_graphs).replay)
     if trace:
         out["trace tree graph"] = _kernel_trace(_last_graph(backend._tree_graphs))
     logits = torch.empty((bs * depth, vocab), device="cuda", dtype=torch.bfloat16)
@@ -168,6 +209,8 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     out["accept_commit graph"] = _time(lambda: backend.accept_commit_greedy(trees, target, depth, slots, pool,
                                                                             hidden_rows, width, graph=True))
     out["accept_commit graph replay"] = _replay_time(backend._commit_graphs)
+    out["accept_commit host"] = _host_us(lambda: backend.accept_commit_greedy(trees, target, depth, slots, pool,
+                                                                              hidden_rows, width, graph=True))
     if trace:
         out["trace accept_commit graph"] = _kernel_trace(_last_graph(backend._commit_graphs))
     out["accept len"] = float(acc.accept_lens.float().mean())
@@ -186,7 +229,8 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
 
 COLUMNS = ["tree_step graph", "tree graph replay", "head GEMM", "top-K", "tree", "verify inputs",
            "accept_commit graph", "accept_commit graph replay", "accept", "commit plan", "KV compaction",
-           "hidden gather", "bookkeeping (calls)", "bookkeeping (replays)", "accept len"]
+           "hidden gather", "bookkeeping (calls)", "bookkeeping (replays)", "tree_step host",
+           "tree_step host after GEMM", "replay host", "accept_commit host", "accept len"]
 
 
 def main(argv=None) -> int:
@@ -212,12 +256,14 @@ def main(argv=None) -> int:
     print(f"us, median of replays; budget {args.budget}, depth {args.depth}, vocab {args.vocab}, "
           f"head width {args.hidden}, {args.layers} MLA layers; bookkeeping (calls) = tree_step graph - head "
           "GEMM + accept_commit graph, each timed around the worker's call on an idle GPU (host included); "
-          "bookkeeping (replays) = the two captured graphs replayed alone (device only)")
+          "bookkeeping (replays) = the two captured graphs replayed alone (device only); the host columns: host "
+          "microseconds to issue the call on an idle GPU (tree_step host after GEMM: from the head GEMM's issue "
+          "to the call's return; replay host: one bare graph.replay())")
     print("| bs | " + " | ".join(COLUMNS) + " | errors |")
     print("|---" * (len(COLUMNS) + 2) + "|")
     for r in rows:
-        print(f"| {r['bs']} | " + " | ".join(f"{r[c]:.1f}" if c != "accept len" else f"{r[c]:.2f}"
-                                            for c in COLUMNS) + f" | {r['errors']} |")
+        print(f"| {r['bs']} | " + " | ".join(f"{r.get(c, float('nan')):.1f}" if c != "accept len"
+                                            else f"{r[c]:.2f}" for c in COLUMNS) + f" | {r['errors']} |")
     for r in rows:
         for name in ("trace tree graph", "trace accept_commit graph"):
             if name in r:

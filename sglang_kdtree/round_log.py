@@ -27,26 +27,35 @@ class RoundMarks:
     the host clock on CPU; does nothing unless the round log is on.
 
     ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (the drafter's
-    head GEMM ``draft_head`` belongs to ``draft``; ``tree_step``, or ``topk``, ``build``, ``verify_inputs``
-    one by one, and SGLang's verify ``prepare`` make ``tree``;
+    head GEMM ``draft_head`` belongs to ``draft``; ``tree_prep`` (the tree step's host work before the head),
+    ``tree_step``, or ``topk``, ``build``, ``verify_inputs`` one by one, and SGLang's verify ``prepare`` make
+    ``tree``;
     ``accept_commit_kv``, or ``accept`` and ``commit``, then ``features`` and the result's own mark make
     ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
     and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
     close to its device time is bound by the host)."""
 
-    PHASE_OF = {"draft_head": "draft", "tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree",
+    PHASE_OF = {"draft_head": "draft", "tree_prep": "tree", "tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree",
                 "prepare": "tree", "accept_commit_kv": "accept_commit", "accept": "accept_commit",
                 "commit": "accept_commit", "features": "accept_commit"}
 
-    def __init__(self, device, enabled: bool):
+    def __init__(self, device, enabled: bool, events: list | None = None):
         self._cuda = enabled and torch.device(device).type == "cuda"
         self._enabled = enabled
         self._clock = time.perf_counter
-        self._marks = [("start", self._now(), self._clock())] if enabled else []
+        # the worker's pool of timing events, reused round after round (each round's are read at its end, before
+        # the next round records them again): no event is created inside the round's host-paced steps
+        self._events = events if events is not None else []
+        self._marks = []
+        if enabled:
+            self._marks.append(("start", self._now(), self._clock()))
 
     def _now(self):
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            i = len(self._marks)
+            if i == len(self._events):
+                self._events.append(torch.cuda.Event(enable_timing=True))
+            event = self._events[i]
             event.record()
             return event
         return self._clock()

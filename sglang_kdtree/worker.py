@@ -97,6 +97,7 @@ class _Round:
     draft_input: object  # SGLang's DFlashDraftInputV2: the bonus tokens (the trees' roots)
     prefix_lens: torch.Tensor  # [bs] int64 committed lengths P
     prefix_cpu: torch.Tensor  # their host copy
+    prefix_sum: int  # sum(P) on the host
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
 
@@ -132,6 +133,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self.backend = select_backend(self.device)
         # opt-in diagnostics (round_log) and test-only fault injection (round_faults), off unless set
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
+        self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
         self._test_faults_path = os.environ.get(round_faults.TEST_FAULTS_ENV) or None
         self._dumped = 0
@@ -208,10 +210,11 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
         prefix_lens = batch.seq_lens.to(torch.int64)
         prefix_cpu = prefix_lens.to("cpu")
-        rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu,
-                     RoundMarks(self.device, enabled=self._round_log is not None), faults=None)
+        rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, int(prefix_cpu.sum()),
+                     RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
+                     faults=None)
         self.backend.reserve(rnd.bs, self.budget, self.depths, self.vocab_size,
-                             mask_bytes=full_mask_numel(int(prefix_cpu.sum()), self.verify_width, rnd.bs))
+                             mask_bytes=full_mask_numel(rnd.prefix_sum, self.verify_width, rnd.bs))
         return rnd
 
     def _gather_slots(self, batch, prefix_lens, width: int) -> torch.Tensor:
@@ -271,9 +274,14 @@ class KDTreeWorker(DFlashWorkerV2):
 
         if self._test_faults_path is not None:  # with the file, the steps run one by one (and read it)
             rnd.faults = round_faults.read_test_faults(self._test_faults_path, rnd.batch)
-        roots = rnd.draft_input.bonus_tokens.to(torch.int64)
-        seq_lens_sum = int(rnd.prefix_cpu.sum())
+        roots = rnd.draft_input.bonus_tokens
+        if roots.dtype != torch.int64:
+            roots = roots.to(torch.int64)
+        seq_lens_sum = rnd.prefix_sum
         marks = rnd.marks
+        # the round log's "tree_prep": this step's host work before the drafter's head (the rows and the head GEMM
+        # are the drafter's, "draft_head"); in a host-paced round the GPU waits for it
+        marks.mark("tree_prep")
         if rnd.faults is None and get_parallel().tp_size == 1:
             # one call: head GEMM (the draft's last step), then top-K -> tree -> verify inputs (on the GPU
             # one CUDA graph replay after the eager GEMM)
@@ -363,9 +371,10 @@ class KDTreeWorker(DFlashWorkerV2):
 
         logits_output = target_out.logits_output
         out_tokens = acc.committed.clamp_min(0)  # [bs, N]: the tau committed tokens, then 0
-        # from the verify rows of the accepted nodes, over the C = min(N, L + 1) columns a round can commit
-        cols = self.geometry.commit_width
-        round_logprobs(rnd.batch, logits_output, logits, acc.accepted[:, :cols], acc.committed[:, :cols])
+        if rnd.batch.return_logprob:
+            # from the verify rows of the accepted nodes, over the C = min(N, L + 1) columns a round can commit
+            cols = self.geometry.commit_width
+            round_logprobs(rnd.batch, logits_output, logits, acc.accepted[:, :cols], acc.committed[:, :cols])
         rnd.marks.mark("accept_commit")
         round_faults.end_faulty_requests(self.backend, rnd.batch, acc, commit, draft_logits)
         if self._round_log is not None:

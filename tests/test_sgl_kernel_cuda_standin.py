@@ -244,7 +244,7 @@ def test_harness_prompts_and_server_args(cs, tmp_path):
     v = cs.Variant("llama", tmp_path / "t", tmp_path / "d", "float32")
     plain = cs.server_args(v, 1234, kdtree=False, cuda_graph=True)
     for flag in ("--attention-backend", "--page-size", "--disable-overlap-schedule", "--disable-radix-cache",
-                 "--cuda-graph-bs-decode", "--cuda-graph-bs-prefill"):
+                 "--sleep-on-idle", "--cuda-graph-bs-decode", "--cuda-graph-bs-prefill"):
         assert flag in plain
     assert plain[plain.index("--attention-backend") + 1] == "triton"
     assert "--speculative-algorithm" not in plain and "--disable-cuda-graph" not in plain

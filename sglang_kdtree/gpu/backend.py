@@ -142,11 +142,11 @@ class GpuBackend:
         other steps replay one CUDA graph per batch size (``gpu.round_graphs.TreeStepGraphs``); outside a
         reservation, or once a capture failed, everything runs eagerly."""
         if graph and self._reserved_for(roots.shape[0], depth, vocab) is not None:
-            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens.to(torch.int64),
-                                         seq_lens_sum, mark)
+            if seq_lens.dtype != torch.int64:
+                seq_lens = seq_lens.to(torch.int64)
+            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
             if out is not None:
-                trees, verify, logits = out
-                return trees, _as_verify(verify), logits
+                return out  # the contract's types already (TreeStepGraphs.step)
         return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
 
     def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,

@@ -19,10 +19,12 @@ that fails is logged once and turns that graph kind off for the process (the eag
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
+
+from sglang_kdtree.contract import VerifyInputs
+from sglang_kdtree.gpu.verify import full_mask_numel, verify_views
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +120,13 @@ class TreeStepGraphs(_Graphs):
 
     def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
              mark=None):
-        """``(trees, verify, draft logits [bs*L, vocab])`` or None when graphs are off; ``mark()`` (optional) is
-        called once the head GEMM is issued."""
+        """``(trees, verify (the contract's ``VerifyInputs``), draft logits [bs*L, vocab])`` or None when graphs are
+        off; ``mark()`` (optional) is called once the head GEMM is issued."""
         if self.disabled_reason is not None:
             return None
         self._check_builder()
         backend, builder = self._backend, self._backend._builder
         bs = roots.shape[0]
-        from sglang_kdtree.gpu.verify import full_mask_numel, verify_views
-
         width = int(budget) + 1
         mask_numel = full_mask_numel(int(seq_lens_sum), width, bs)
         if budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
@@ -136,8 +136,9 @@ class TreeStepGraphs(_Graphs):
         torch.matmul(rows, weight.t(), out=logits)  # the drafter's head, eagerly (cuBLAS)
         if mark is not None:
             mark()
-        roots_in.copy_(roots)
-        seq_in.copy_(seq_lens)
+        # From here the host races the GEMM: what it issues before the GEMM ends costs the round nothing. One
+        # foreach copy (one launch) for both static inputs.
+        torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))
         k = min(int(budget), int(vocab))
         verify_buf = builder.verify
         key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
@@ -152,8 +153,11 @@ class TreeStepGraphs(_Graphs):
             # the committed lengths): eleven tensor views less of host work per round on a host-bound step
             return trees, verify_views(verify_buf, bs, width, 0), logits[:, :vocab]
 
-        trees, views, head_logits = self.run(key, body)
-        return trees, dataclasses.replace(views, full_mask=verify_buf.full_mask[:mask_numel]), head_logits
+        trees, v, head_logits = self.run(key, body)
+        # the contract's (unfrozen) VerifyInputs built once, with this round's FULL_MASK length
+        verify = VerifyInputs(v.input_ids, v.positions, verify_buf.full_mask[:mask_numel], v.ancestor_bits,
+                              v.retrieve_index, v.retrieve_next_token, v.retrieve_next_sibling)
+        return trees, verify, head_logits
 
 
 class AcceptCommitGraphs(_Graphs):

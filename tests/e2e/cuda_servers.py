@@ -133,6 +133,9 @@ def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) 
         "--max-running-requests", str(MAX_RUNNING),
         "--chunked-prefill-size", "1024",
         "--skip-server-warmup",
+        # an idle SGLang scheduler otherwise polls at 100 % of a core: servers started side by side (the probe,
+        # the bench's plain / DFLASH / KDTREE servers) would take CPU from the one being measured
+        "--sleep-on-idle",
         "--log-level", "info",
     ]
     if variant.tp > 1:
