@@ -35,9 +35,9 @@ class RoundMarks:
     and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
     close to its device time is bound by the host)."""
 
-    PHASE_OF = {"draft_head": "draft", "tree_prep": "tree", "tree_step": "tree", "topk": "tree", "build": "tree", "verify_inputs": "tree",
-                "prepare": "tree", "accept_commit_kv": "accept_commit", "accept": "accept_commit",
-                "commit": "accept_commit", "features": "accept_commit"}
+    PHASE_OF = {"draft_head": "draft", "tree_prep": "tree", "tree_step": "tree", "topk": "tree", "build": "tree",
+                "verify_inputs": "tree", "prepare": "tree", "accept_commit_kv": "accept_commit",
+                "accept": "accept_commit", "commit": "accept_commit", "features": "accept_commit"}
 
     def __init__(self, device, enabled: bool, events: list | None = None):
         self._cuda = enabled and torch.device(device).type == "cuda"
