@@ -178,19 +178,11 @@ def _expect_startup_failure(tiny_models, server_logs, extra, message):
     assert message in log, log[-3000:]
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--speculative-num-draft-tokens", "1"], "KDTREE: --speculative-num-draft-tokens 1 is out of range"),
-        (["--speculative-num-draft-tokens", "2000"], "KDTREE: --speculative-num-draft-tokens 2000 is out of range"),
-    ],
-)
-def test_invalid_budget_fails_at_startup(tiny_models, server_logs, extra, message):
-    args = _kdtree_args(tiny_models, "llama")[:-2] + extra
-    _expect_startup_failure(tiny_models, server_logs, args, message)
-
-
 def test_unsupported_backend_fails_at_startup(tiny_models, server_logs):
+    """A real server process exits at startup naming the refused flag. One case is enough for the plumbing (each
+    server start costs about 45 s of CI); every refused flag and value, the out-of-range budgets 1 and 1026
+    among them, is checked in-process through SGLang's own parser and the same hook
+    (``tests/test_registration.py``)."""
     # conftest passes --attention-backend torch_native; a later flag wins in argparse
     args = _kdtree_args(tiny_models, "llama") + ["--attention-backend", "flashmla"]
     _expect_startup_failure(tiny_models, server_logs, args, "KDTREE: --attention-backend flashmla")
