@@ -108,9 +108,10 @@ class RoundBackend(Protocol):
         """The verify forward's inputs for ``trees`` after committed lengths ``seq_lens`` ``[bs]``."""
 
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None) -> tuple[Trees, VerifyInputs, torch.Tensor]:
+                  graph: bool = True, mark=None, prep_mark=None) -> tuple[Trees, VerifyInputs, torch.Tensor]:
         """Draft head GEMM -> ``topk`` -> ``build`` -> ``verify_inputs`` in one call (``eager_tree_step``);
-        returns the draft logits ``[bs*L, vocab]`` too."""
+        returns the draft logits ``[bs*L, vocab]`` too. ``prep_mark()`` / ``mark()`` (optional): called just
+        before / just after the head GEMM is issued (the round log's ``tree_prep`` / ``draft_head``)."""
 
     def accept_greedy(self, trees: Trees, logits: torch.Tensor, max_depth: int) -> AcceptResult:
         """The walk along the target's argmax (``logits`` ``[bs, N, V]``)."""
@@ -139,10 +140,13 @@ class RoundBackend(Protocol):
 
 
 def eager_tree_step(backend: RoundBackend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens,
-                    seq_lens_sum: int, mark=None):
-    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns (then ``mark()``,
-    if given: the drafter's head ends there), ``topk`` with ``K = min(budget, vocab)``, ``build``,
-    ``verify_inputs``. Returns ``(trees, verify, draft logits [bs*L, vocab])``."""
+                    seq_lens_sum: int, mark=None, prep_mark=None):
+    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns (``prep_mark()``
+    before it and ``mark()`` after it, if given: the drafter's head is between them), ``topk`` with
+    ``K = min(budget, vocab)``, ``build``, ``verify_inputs``. Returns ``(trees, verify, draft logits
+    [bs*L, vocab])``."""
+    if prep_mark is not None:
+        prep_mark()
     logits = torch.matmul(rows, weight.t())[:, :vocab]  # the GEMM the GPU backend's graph path also runs
     if mark is not None:
         mark()

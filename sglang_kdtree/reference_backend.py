@@ -156,9 +156,11 @@ class ReferenceBackend:
         return self._verify(reference.verify_inputs(_tree_batch(trees), _np(seq_lens).astype(np.int64)))
 
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None):
+                  graph: bool = True, mark=None, prep_mark=None):
         """Draft head -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``'s contract): the head GEMM in
         torch, then one host copy of its logits through the numpy steps, then one conversion of the results."""
+        if prep_mark is not None:
+            prep_mark()
         logits = torch.matmul(rows, weight.t())[:, :vocab]  # as contract.eager_tree_step
         if mark is not None:
             mark()

@@ -279,19 +279,21 @@ class KDTreeWorker(DFlashWorkerV2):
             roots = roots.to(torch.int64)
         seq_lens_sum = rnd.prefix_sum
         marks = rnd.marks
-        # the round log's "tree_prep": this step's host work before the drafter's head (the rows and the head GEMM
-        # are the drafter's, "draft_head"); in a host-paced round the GPU waits for it
-        marks.mark("tree_prep")
+        # The round log's "tree_prep": this step's host work (and its input copies) before the drafter's head GEMM,
+        # "draft_head"; in a host-paced round the GPU waits for it. It also holds the head rows' view (and their
+        # cast, when the draft's hidden dtype is not the head's): counted as bookkeeping, not as the drafter's.
         if rnd.faults is None and get_parallel().tp_size == 1:
             # one call: head GEMM (the draft's last step), then top-K -> tree -> verify inputs (on the GPU
-            # one CUDA graph replay after the eager GEMM)
+            # one CUDA graph replay after the eager GEMM, which the backend issues last before the replay)
             lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
             out = self.backend.tree_step(rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots,
                                          rnd.prefix_lens, seq_lens_sum, graph=self._round_graphs,
-                                         mark=lambda: marks.mark("draft_head"))
+                                         mark=lambda: marks.mark("draft_head"),
+                                         prep_mark=lambda: marks.mark("tree_prep"))
             marks.mark("tree_step")
             return out
+        marks.mark("tree_prep")
         # tensor parallel (vocab-parallel top-K) or test fault injection: step by step
         logprobs, ids, draft_logits = self._draft_topk(draft_hidden, rnd.faults, marks)
         marks.mark("topk")

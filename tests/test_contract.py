@@ -69,6 +69,28 @@ def test_reference_results_have_the_contract_shapes(budget, depth):
         assert backend.gather_hidden(hidden, plan, width).shape == (bs, min(width, depth + 1), 8)
 
 
+def test_tree_step_marks_bracket_the_head_gemm(monkeypatch):
+    """``prep_mark()`` just before the head GEMM and ``mark()`` just after it, once each, in the reference backend
+    and the contract's eager composition: the round log's ``tree_prep`` / ``draft_head`` boundaries."""
+    bs, budget, depth, vocab = 2, 5, 3, 20
+    rows, weight, roots, seq, *_ = _round(bs, budget, depth, vocab, seed=5)
+    backend = pipeline.ReferenceBackend("cpu")
+    calls = []
+    matmul = torch.matmul
+
+    def recorded(*args, **kwargs):
+        calls.append("gemm")
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "matmul", recorded)
+    marks = dict(mark=lambda: calls.append("mark"), prep_mark=lambda: calls.append("prep"))
+    backend.tree_step(rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()), **marks)
+    assert calls == ["prep", "gemm", "mark"]
+    calls.clear()
+    contract.eager_tree_step(backend, rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()), **marks)
+    assert calls == ["prep", "gemm", "mark"]
+
+
 def test_reference_grouped_calls_equal_the_steps_one_by_one():
     bs, budget, depth, vocab = 3, 6, 4, 20
     rows, weight, roots, seq, target, slots, hidden = _round(bs, budget, depth, vocab, seed=3)

@@ -132,11 +132,11 @@ class GpuBackend:
                                                 error_flag=self.tree_errors))
 
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None):
+                  graph: bool = True, mark=None, prep_mark=None):
         """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft
         hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``,
-        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum; ``mark()`` (optional)
-        is called once the head GEMM is issued. Returns ``(trees, verify, draft logits [bs*L, vocab] view)``.
+        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum; ``prep_mark()`` and
+        ``mark()`` (optional) are called just before and just after the head GEMM is issued. Returns ``(trees, verify, draft logits [bs*L, vocab] view)``.
 
         Within a reservation and with ``graph`` on, the head GEMM runs eagerly into a static buffer and the
         other steps replay one CUDA graph per batch size (``gpu.round_graphs.TreeStepGraphs``); outside a
@@ -144,10 +144,12 @@ class GpuBackend:
         if graph and self._reserved_for(roots.shape[0], depth, vocab) is not None:
             if seq_lens.dtype != torch.int64:
                 seq_lens = seq_lens.to(torch.int64)
-            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
+            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark,
+                                         prep_mark)
             if out is not None:
                 return out  # the contract's types already (TreeStepGraphs.step)
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark)
+        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark,
+                               prep_mark)
 
     def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
                              graph: bool = False):

@@ -55,8 +55,11 @@ class _Graphs:
             self._graphs.clear()
             self._builder = self._backend._builder
 
-    def run(self, key, body):
-        hit = self._graphs.get(key)
+    def run(self, key, body, hit=None):
+        """``hit``: ``self._graphs.get(key)`` when the caller looked the key up already (before work it wanted
+        issued in between)."""
+        if hit is None:
+            hit = self._graphs.get(key)
         if hit is not None:
             graph, outputs = hit
             graph.replay()
@@ -119,9 +122,13 @@ class TreeStepGraphs(_Graphs):
             self._seq = torch.empty(max_batch, dtype=torch.int64, device=dev)
 
     def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-             mark=None):
+             mark=None, prep_mark=None):
         """``(trees, verify (the contract's ``VerifyInputs``), draft logits [bs*L, vocab])`` or None when graphs are
-        off; ``mark()`` (optional) is called once the head GEMM is issued."""
+        off; ``prep_mark()`` (optional) is called just before the head GEMM is issued, ``mark()`` once it is.
+
+        The GEMM is the last thing issued before the replay: the key, the graph lookup and the static inputs' copy
+        come first. In a server the step is paced by the host, and whatever the host issues after the GEMM it
+        issues while the GEMM runs; if the host is still busy when the GEMM ends, the GPU waits for the replay."""
         if self.disabled_reason is not None:
             return None
         self._check_builder()
@@ -133,16 +140,19 @@ class TreeStepGraphs(_Graphs):
             return None  # not within the reservation: the caller runs the steps eagerly
         self._inputs(builder.max_batch, depth, weight)
         logits, roots_in, seq_in = self._logits[: bs * depth], self._roots[:bs], self._seq[:bs]
-        torch.matmul(rows, weight.t(), out=logits)  # the drafter's head, eagerly (cuBLAS)
-        if mark is not None:
-            mark()
-        # From here the host races the GEMM: what it issues before the GEMM ends costs the round nothing. One
-        # foreach copy (one launch) for both static inputs.
-        torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))
         k = min(int(budget), int(vocab))
         verify_buf = builder.verify
         key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
                logits.data_ptr(), logits.shape[1])
+        hit = self._graphs.get(key)
+        # both static inputs in one foreach copy (one launch), before the GEMM: it is the step's own work, so the
+        # round log's tree_prep (prep_mark) ends after it
+        torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))
+        if prep_mark is not None:
+            prep_mark()
+        torch.matmul(rows, weight.t(), out=logits)  # the drafter's head, eagerly (cuBLAS)
+        if mark is not None:
+            mark()
 
         def body():
             lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)
@@ -153,7 +163,7 @@ class TreeStepGraphs(_Graphs):
             # the committed lengths): eleven tensor views less of host work per round on a host-bound step
             return trees, verify_views(verify_buf, bs, width, 0), logits[:, :vocab]
 
-        trees, v, head_logits = self.run(key, body)
+        trees, v, head_logits = self.run(key, body, hit)
         # the contract's (unfrozen) VerifyInputs built once, with this round's FULL_MASK length
         verify = VerifyInputs(v.input_ids, v.positions, verify_buf.full_mask[:mask_numel], v.ancestor_bits,
                               v.retrieve_index, v.retrieve_next_token, v.retrieve_next_sibling)

@@ -186,8 +186,11 @@ def _tree_step_graph_check():
         _poison_backend(gpu)
         rows = torch.randn((bs * depths, hidden), generator=gen).to(torch.bfloat16)
         roots = torch.randint(0, vocab, (bs,), generator=gen)
+        calls = []
         tg, vg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda),
-                                   seq_lens.to(cuda), total)
+                                   seq_lens.to(cuda), total, mark=lambda: calls.append("mark"),
+                                   prep_mark=lambda: calls.append("prep"))
+        assert calls == ["prep", "mark"], calls  # once each: the round log's tree_prep / draft_head ends
         graphs = gpu._tree_graphs
         assert graphs.disabled_reason is None, graphs.disabled_reason
         logits = lg.cpu()  # the GPU GEMM's bf16 logits: the reference runs the remaining steps on them
