@@ -107,6 +107,8 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
     * ``mla_launches``: launches of the fused MLA tree-verify kernel in this process so far (a device
       counter, so launches inside graph replays count); ``marlin_routed``: routed Marlin MoE calls (eager
       calls plus captures); ``tree_graph_replays`` / ``commit_graph_replays``: the GPU round graphs' replays;
+      ``tree_head_first``: tree steps that found the stream idle and issued the head GEMM before their host work
+      (``TreeStepGraphs.step``);
     * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
       verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept,
       KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock.
@@ -120,6 +122,7 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
         record["mla_launches"] = mla_attention.launch_count(device)
         record["tree_graph_replays"] = backend._tree_graphs.replays
         record["commit_graph_replays"] = backend._commit_graphs.replays
+        record["tree_head_first"] = backend._tree_graphs.head_first
     try:
         from sglang_kdtree.patches import marlin_moe
     except ImportError:  # pragma: no cover - patches ship with the package

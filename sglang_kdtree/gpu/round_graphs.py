@@ -111,6 +111,7 @@ class TreeStepGraphs(_Graphs):
     def __init__(self, backend):
         super().__init__(backend)
         self._logits = self._roots = self._seq = None
+        self.head_first = 0  # steps that issued the head GEMM before their host work (step's docstring)
 
     def _inputs(self, max_batch: int, depth: int, weight):
         cap = max_batch * depth
@@ -126,9 +127,13 @@ class TreeStepGraphs(_Graphs):
         """``(trees, verify (the contract's ``VerifyInputs``), draft logits [bs*L, vocab])`` or None when graphs are
         off; ``prep_mark()`` (optional) is called just before the head GEMM is issued, ``mark()`` once it is.
 
-        The GEMM is the last thing issued before the replay: the key, the graph lookup and the static inputs' copy
-        come first. In a server the step is paced by the host, and whatever the host issues after the GEMM it
-        issues while the GEMM runs; if the host is still busy when the GEMM ends, the GPU waits for the replay."""
+        The order follows the GPU. In a server this step's host work (the key, the graph lookup, the static inputs'
+        copy) is tens of microseconds of Python, and the GPU waits for whatever is issued after it:
+        - the stream idle (a host-paced round: the drafter's kernels are done): the GEMM first, so the host
+          work runs while the GEMM does;
+        - the stream busy (the drafter still running): the host work first, while the drafter finishes, then
+          the GEMM and at once the replay, which follows the GEMM with no gap.
+        Either order computes the same thing; ``head_first`` counts the rounds that took the first."""
         if self.disabled_reason is not None:
             return None
         self._check_builder()
@@ -140,19 +145,26 @@ class TreeStepGraphs(_Graphs):
             return None  # not within the reservation: the caller runs the steps eagerly
         self._inputs(builder.max_batch, depth, weight)
         logits, roots_in, seq_in = self._logits[: bs * depth], self._roots[:bs], self._seq[:bs]
+
+        def head():  # the drafter's head, eagerly (cuBLAS); the round log's tree_prep ends before it
+            if prep_mark is not None:
+                prep_mark()
+            torch.matmul(rows, weight.t(), out=logits)
+            if mark is not None:
+                mark()
+
+        head_first = torch.cuda.current_stream(self._backend.device).query()  # True: nothing left to run
+        if head_first:
+            head()
+            self.head_first += 1
         k = min(int(budget), int(vocab))
         verify_buf = builder.verify
         key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
                logits.data_ptr(), logits.shape[1])
         hit = self._graphs.get(key)
-        # both static inputs in one foreach copy (one launch), before the GEMM: it is the step's own work, so the
-        # round log's tree_prep (prep_mark) ends after it
-        torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))
-        if prep_mark is not None:
-            prep_mark()
-        torch.matmul(rows, weight.t(), out=logits)  # the drafter's head, eagerly (cuBLAS)
-        if mark is not None:
-            mark()
+        torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))  # both static inputs in one launch
+        if not head_first:
+            head()
 
         def body():
             lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)

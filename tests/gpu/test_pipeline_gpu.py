@@ -178,6 +178,7 @@ def _tree_step_graph_check():
     weight = (torch.randn((padded, hidden), generator=gen) / 4).to(torch.bfloat16)
     weight[vocab:] = 50.0  # the padded head rows must never become candidates
     weight_g = weight.to(cuda)
+    query = torch.cuda.Stream.query
     for round_no, (bs, max_len) in enumerate([(4, 30), (2, 30), (4, 20), (9, 300), (2, 10), (9, 300), (9, 250)]):
         seq_lens = torch.randint(1, max_len, (bs,), generator=gen)
         total = int(seq_lens.sum())
@@ -186,6 +187,9 @@ def _tree_step_graph_check():
         _poison_backend(gpu)
         rows = torch.randn((bs * depths, hidden), generator=gen).to(torch.bfloat16)
         roots = torch.randint(0, vocab, (bs,), generator=gen)
+        # both issue orders of TreeStepGraphs.step, whichever the stream's state: the head GEMM first (as on an
+        # idle stream) in odd rounds, the host work first (a busy stream) in even ones
+        torch.cuda.Stream.query = (lambda self: True) if round_no % 2 else (lambda self: False)
         calls = []
         tg, vg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda),
                                    seq_lens.to(cuda), total, mark=lambda: calls.append("mark"),
@@ -208,6 +212,8 @@ def _tree_step_graph_check():
     # captures: rounds 0 (bs 4), 1 (bs 2), 3 (bs 9: a new builder drops the graphs), 4 (bs 2 again); replays:
     # rounds 2, 5, 6
     assert (graphs.replays, graphs.captures) == (3, 4), (graphs.replays, graphs.captures)
+    assert graphs.head_first == 3, graphs.head_first  # rounds 1, 3, 5
+    torch.cuda.Stream.query = query
     assert int(gpu.tree_errors.item()) == 0
     te, ve, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), seq_lens.to(cuda),
                               total, graph=False)
