@@ -28,11 +28,12 @@ class RoundMarks:
 
     ``mark(name)`` closes the step ``name``; steps listed in ``PHASE_OF`` add up to their phase (the drafter's
     head GEMM ``draft_head`` belongs to ``draft``; ``tree_prep`` (the tree step's work before the head GEMM: its
-    host preparation and its static inputs' copy), ``tree_step``, or ``topk``, ``build``, ``verify_inputs`` one
-    by one, and SGLang's verify ``prepare`` make ``tree``; ``accept_commit_kv``, or ``accept`` and ``commit``, then ``features`` and the result's own mark make
-    ``accept_commit``). ``split()`` gives the four phases; ``detail()`` every step on the device timeline (``ms``)
-    and on the host clock (``host_ms``: how long the Python side took to issue it; a step whose host time is
-    close to its device time is bound by the host)."""
+    host preparation, and its static inputs' copy when that goes first), ``tree_step``, or ``topk``, ``build``,
+    ``verify_inputs`` one by one, and SGLang's verify ``prepare`` make ``tree``; ``accept_commit_kv``, or
+    ``accept`` and ``commit``, then ``features`` and the result's own mark make ``accept_commit``). ``split()``
+    gives the four phases; ``detail()`` every step on the device timeline (``ms``) and on the host clock
+    (``host_ms``: how long the Python side took to issue it; a step whose host time is close to its device time is
+    bound by the host)."""
 
     PHASE_OF = {"draft_head": "draft", "tree_prep": "tree", "tree_step": "tree", "topk": "tree", "build": "tree",
                 "verify_inputs": "tree", "prepare": "tree", "accept_commit_kv": "accept_commit",

@@ -284,7 +284,8 @@ class KDTreeWorker(DFlashWorkerV2):
         # cast, when the draft's hidden dtype is not the head's): counted as bookkeeping, not as the drafter's.
         if rnd.faults is None and get_parallel().tp_size == 1:
             # one call: head GEMM (the draft's last step), then top-K -> tree -> verify inputs (on the GPU
-            # one CUDA graph replay after the eager GEMM, which the backend issues last before the replay)
+            # one CUDA graph replay after the eager GEMM; gpu/round_graphs.py orders the GEMM and the step's host
+            # work by the stream's state)
             lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
             out = self.backend.tree_step(rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots,

@@ -136,7 +136,8 @@ class GpuBackend:
         """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft
         hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``,
         the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum; ``prep_mark()`` and
-        ``mark()`` (optional) are called just before and just after the head GEMM is issued. Returns ``(trees, verify, draft logits [bs*L, vocab] view)``.
+        ``mark()`` (optional) are called just before and just after the head GEMM is issued. Returns ``(trees,
+        verify, draft logits [bs*L, vocab] view)``.
 
         Within a reservation and with ``graph`` on, the head GEMM runs eagerly into a static buffer and the
         other steps replay one CUDA graph per batch size (``gpu.round_graphs.TreeStepGraphs``); outside a
