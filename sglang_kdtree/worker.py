@@ -279,9 +279,10 @@ class KDTreeWorker(DFlashWorkerV2):
             roots = roots.to(torch.int64)
         seq_lens_sum = rnd.prefix_sum
         marks = rnd.marks
-        # The round log's "tree_prep": this step's host work (and its input copies) before the drafter's head GEMM,
-        # "draft_head"; in a host-paced round the GPU waits for it. It also holds the head rows' view (and their
-        # cast, when the draft's hidden dtype is not the head's): counted as bookkeeping, not as the drafter's.
+        # The round log's "tree_prep": this step's host work before the drafter's head GEMM, "draft_head" (and its
+        # static inputs' copy when that goes first); in a host-paced round the GPU waits for it. It also holds the
+        # head rows' view (and their cast, when the draft's hidden dtype is not the head's): counted as bookkeeping,
+        # not as the drafter's.
         if rnd.faults is None and get_parallel().tp_size == 1:
             # one call: head GEMM (the draft's last step), then top-K -> tree -> verify inputs (on the GPU
             # one CUDA graph replay after the eager GEMM; gpu/round_graphs.py orders the GEMM and the step's host
