@@ -1,8 +1,9 @@
-"""MLA tree-verify attention: ours (kernels/mla_tree_verify.cu) vs SGLang's Triton extend attention with a
-custom mask (``sglang.kernels.ops.attention.extend_attention.extend_attention_fwd``, the triton backend's
-TARGET_VERIFY path for absorbed MLA), vs plain torch, vs the roofline measured in the same run:
-``max(bytes / HBM bandwidth, FLOPs / bf16 tensor rate)`` with the bandwidth from a 1 GiB device copy and
-the rate from a bf16 8192^3 matmul.
+"""MLA tree-verify attention: ours (the kernel the server runs, ``mla_attention.resolve_kernel``: on an H200 the
+wgmma kernel kernels/mla_tree_verify_wgmma.cu), the previous mma.sync kernel (kernels/mla_tree_verify.cu, "mma"),
+SGLang's Triton extend attention with a custom mask
+(``sglang.kernels.ops.attention.extend_attention.extend_attention_fwd``, the triton backend's TARGET_VERIFY path
+for absorbed MLA), plain torch, and the roofline measured in the same run: ``max(bytes / HBM bandwidth, FLOPs /
+bf16 tensor rate)`` with the bandwidth from a 1 GiB device copy and the rate from a bf16 8192^3 matmul.
 
 FLOPs count only visible (query row, key) pairs: ``2 * (576 + 512)`` per pair. Bytes: the latent KV rows
 read once (576 bf16 each), q, out, LSE and the index arrays.
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
-from sglang_kdtree.gpu.mla_attention import mla_tree_verify, synthetic_inputs
+from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel, synthetic_inputs
 
 GRID_BATCH = (1, 8, 32)
 GRID_CONTEXT = (4096, 16384, 65536)
@@ -123,10 +124,10 @@ def torch_runner(case):
     return run
 
 
-def ours_runner(case):
+def ours_runner(case, kernel=None):
     args = (case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
             case["ancestor_bits"], case["sm_scale"])
-    return lambda: mla_tree_verify(*args)
+    return lambda: mla_tree_verify(*args, kernel=kernel)
 
 
 def mixed_prefixes(batch, context, seed):
@@ -151,8 +152,10 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
     # target first, then cheapest first, so a deadline cuts the most expensive shapes
     shapes.sort(key=lambda s: (s != TARGET_SHAPE, s[0] * s[1] * s[2] * s[3]))
     rows = []
-    header = f"{'bs':>3} {'ctx':>6} {'N':>4} {'H':>3} | {'ours ms':>9} {'triton ms':>10} {'torch ms':>9} | " \
-             f"{'x triton':>8} {'roof ms':>8} {'% roof':>6} {'TFLOP/s':>7}"
+    kernel = resolve_kernel(None, torch.cuda.current_device())
+    print(f"# ours = the {kernel} kernel (what the server runs here); mma = the mma.sync kernel", flush=True)
+    header = f"{'bs':>3} {'ctx':>6} {'N':>4} {'H':>3} | {'ours ms':>9} {'mma ms':>8} {'triton ms':>10} " \
+             f"{'torch ms':>9} | {'x mma':>6} {'x triton':>8} {'roof ms':>8} {'% roof':>6} {'TFLOP/s':>7}"
     print(header, flush=True)
     for batch, context, width, heads in shapes:
         if time.perf_counter() - t_start > deadline_s:
@@ -163,6 +166,7 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
         flops, nbytes = work(case, prefix)
         roof_ms = max(nbytes / bandwidth, flops / rate) * 1e3
         ours = _timed(ours_runner(case))
+        mma_ms = ours if kernel == "mma" else _timed(ours_runner(case, "mma"))
         try:
             triton_ms = _timed(sglang_triton_runner(case), min_reps=2, budget_s=0.1)
         except Exception as exc:  # report, keep going: the comparison is the point of the run
@@ -171,12 +175,12 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
         torch_ms = float("nan")
         if batch * context <= with_torch_limit:
             torch_ms = _timed(torch_runner(case), min_reps=2, budget_s=0.1)
-        row = dict(batch=batch, context=context, width=width, heads=heads, prefix=prefix, ours_ms=ours,
-                   triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms, flops=flops, bytes=nbytes)
+        row = dict(batch=batch, context=context, width=width, heads=heads, prefix=prefix, kernel=kernel,
+                   ours_ms=ours, mma_ms=mma_ms, triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms, flops=flops, bytes=nbytes)
         rows.append(row)
-        print(f"{batch:>3} {context:>6} {width:>4} {heads:>3} | {ours:>9.3f} {triton_ms:>10.3f} {torch_ms:>9.3f} | "
-              f"{triton_ms / ours:>8.2f} {roof_ms:>8.3f} {100 * roof_ms / ours:>6.1f} {flops / ours / 1e9:>7.0f}",
-              flush=True)
+        print(f"{batch:>3} {context:>6} {width:>4} {heads:>3} | {ours:>9.3f} {mma_ms:>8.3f} {triton_ms:>10.3f} "
+              f"{torch_ms:>9.3f} | {mma_ms / ours:>6.2f} {triton_ms / ours:>8.2f} {roof_ms:>8.3f} "
+              f"{100 * roof_ms / ours:>6.1f} {flops / ours / 1e9:>7.0f}", flush=True)
         del case
         torch.cuda.empty_cache()
     return dict(bandwidth=bandwidth, tensor_rate=rate, rows=rows)
@@ -207,9 +211,10 @@ def mid_case():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["ours", "sglang_triton"])
+@pytest.mark.parametrize("impl", ["ours", "mma", "sglang_triton"])
 def test_bench_mla_tree_verify(benchmark, mid_case, impl):
-    fn = ours_runner(mid_case) if impl == "ours" else sglang_triton_runner(mid_case)
+    fn = {"ours": lambda: ours_runner(mid_case), "mma": lambda: ours_runner(mid_case, "mma"),
+          "sglang_triton": lambda: sglang_triton_runner(mid_case)}[impl]()
 
     def call():
         fn()

@@ -1,6 +1,7 @@
-"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 with the
-runtime's options (NVRTC needs no GPU), and every ``extern "C" __global__`` function it declares is an entry
-of the PTX, so a kernel that no longer compiles fails on a CPU machine too."""
+"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 (sm_90a for the
+one that says so: ``mla_attention.WGMMA_SOURCE``) with the runtime's options (NVRTC needs no GPU), and every
+``extern "C" __global__`` function it declares is an entry of the PTX, so a kernel that no longer compiles fails
+on a CPU machine too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import re
 
 import pytest
 
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import mla_attention, runtime
+
+#: kernels built for an architecture-specific target (``runtime.load_module_arch``), by name
+ARCH_SPECIFIC = {mla_attention.WGMMA_SOURCE: mla_attention.WGMMA_ARCH.replace("sm_", "compute_")}
 
 #: every ``.cu`` below kernels/, by its path relative to it (the name ``runtime.kernel_source`` takes)
 KERNELS = sorted(p.relative_to(runtime.kernels_dir()).as_posix()
@@ -27,7 +31,7 @@ def _nvrtc():
 
 
 def test_every_kernel_is_listed():
-    assert len(KERNELS) >= 11 and "topk_histogram.cu" in KERNELS
+    assert len(KERNELS) >= 12 and "topk_histogram.cu" in KERNELS and set(ARCH_SPECIFIC) <= set(KERNELS)
     assert {"moe/moe_align.cu", "moe/moe_topk_sum.cu", "moe/silu_and_mul.cu"} <= set(KERNELS)
 
 
@@ -37,7 +41,7 @@ def test_kernel_compiles_with_nvrtc(name):
     source = runtime.kernel_source(name)
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90", "--std=c++17", "-fmad=false",
+        nvrtc.compileProgram(prog, [f"-arch={ARCH_SPECIFIC.get(name, 'compute_90')}", "--std=c++17", "-fmad=false",
                                     f"-I{runtime.kernels_dir()}"])
     except Exception as exc:
         pytest.fail(f"{name} does not compile: {exc}\n{nvrtc.getProgramLog(prog)}")

@@ -27,3 +27,60 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert choose_num_splits(1, 136, 200, 132) == 1           # too few keys to be worth a merge
     big = choose_num_splits(32, 65 * 16, 16384 + 65, 132)
     assert 1 <= big <= 8
+
+
+def test_split_heuristic_counts_the_wgmma_kernels_64_key_stages():
+    from sglang_kdtree.gpu.mla_attention import _MIN_KEYS_PER_SPLIT
+
+    s = choose_num_splits(1, 136, 4096 + 17, 132, key_tile=64)
+    assert s > 8 and ((4096 + 17) / s) >= _MIN_KEYS_PER_SPLIT - 64
+    assert choose_num_splits(1, 136, 200, 132, key_tile=64) == 1
+
+
+def test_kernel_choice_follows_the_gpu_and_the_switch(monkeypatch):
+    """auto: wgmma on compute capability 9.0 only; the switch is read when no kernel= is given; a wgmma request on
+    another GPU, or a name that is no kernel, fails with the variable named (no silent fallback)."""
+    from sglang_kdtree.gpu import mla_attention as mla
+
+    monkeypatch.delenv(mla.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(mla, "_capability", lambda index: (9, 0))
+    assert mla.resolve_kernel(None, 0) == "wgmma"
+    assert mla.resolve_kernel("mma", 0) == "mma"
+    monkeypatch.setenv(mla.KERNEL_ENV, "MMA")
+    assert mla.resolve_kernel(None, 0) == "mma"
+    monkeypatch.setattr(mla, "_capability", lambda index: (8, 0))
+    monkeypatch.setenv(mla.KERNEL_ENV, "auto")
+    assert mla.resolve_kernel(None, 0) == "mma"
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        mla.resolve_kernel("wgmma", 0)
+    monkeypatch.setenv(mla.KERNEL_ENV, "flash")
+    with pytest.raises(ValueError, match=mla.KERNEL_ENV):
+        mla.resolve_kernel(None, 0)
+
+
+def test_load_module_arch_compiles_to_a_cached_cubin(tmp_path, monkeypatch):
+    """The sm_90a path compiles with NVRTC (no GPU needed) into the cache folder, once: a second call with a
+    fresh process-level cache finds the file."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # CuPy or libnvrtc missing here
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    import cupy
+
+    from sglang_kdtree.gpu import mla_attention as mla
+    from sglang_kdtree.gpu import runtime
+
+    loaded = []
+    monkeypatch.setattr(cupy, "RawModule", lambda path: loaded.append(path) or path)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    runtime.load_module_arch.cache_clear()
+    first = runtime.load_module_arch(mla.WGMMA_SOURCE, mla.WGMMA_ARCH)
+    files = list(tmp_path.glob("*.cubin"))
+    assert len(files) == 1 and str(files[0]) == first and files[0].stat().st_size > 10_000
+    stamp = files[0].stat().st_mtime_ns
+    runtime.load_module_arch.cache_clear()
+    assert runtime.load_module_arch(mla.WGMMA_SOURCE, mla.WGMMA_ARCH) == first
+    assert files[0].stat().st_mtime_ns == stamp and len(loaded) == 2
+    runtime.load_module_arch.cache_clear()

@@ -1,5 +1,12 @@
-"""Tree-verify attention for absorbed MLA: the CuPy launcher (``kernels/mla_tree_verify.cu``) and its float64
-torch twin ``mla_tree_verify_reference`` (same positional signature, same results up to bf16 rounding).
+"""Tree-verify attention for absorbed MLA: the CuPy launcher of two kernels and their float64 torch twin
+``mla_tree_verify_reference`` (same positional signature, same results up to bf16 rounding).
+
+Kernels (``kernel=`` / ``$SGLANG_KDTREE_MLA_KERNEL``: ``auto``, ``wgmma`` or ``mma``):
+
+* ``wgmma`` (``kernels/mla_tree_verify_wgmma.cu``): Hopper warpgroup MMA (sm_90a), 64 keys per stage; the default
+  on compute capability 9.0;
+* ``mma`` (``kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 32 keys per stage; any other GPU, and the
+  fallback. Both share the split-K merge kernel and the launch counter.
 
 Semantics: request ``b`` verifies ``N`` tree nodes. Query row ``(b*N + i, h)`` is the absorbed query
 ``[q_nope (512) | q_rope (64)]``; keys are 576-wide rows of SGLang's MLA pool (latent ``c_kv`` then ``k_rope``)
@@ -42,17 +49,26 @@ __all__ = [
     "synthetic_inputs",
     "launch_count",
     "prepare",
+    "resolve_kernel",
 ]
 
 KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
 QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM
 
-_ROW_TILE = 64  # query (node, head) rows per CTA; must match ROW_TILE in the .cu
-_KEY_TILE = 32  # keys per pipeline stage; must match KEY_TILE
+_ROW_TILE = 64  # query (node, head) rows per CTA, both kernels; must match ROW_TILE in the .cu files
+_KEY_TILE = 32  # keys per pipeline stage of the mma kernel; must match KEY_TILE in mla_tree_verify.cu
 _THREADS = 256
 _LDS = QK_HEAD_DIM + 8
 _SMEM_BYTES = 2 * (_ROW_TILE * _LDS + 2 * _KEY_TILE * _LDS + _ROW_TILE * (_KEY_TILE + 8)) + 4 * 4 * _ROW_TILE
+#: the wgmma kernel: its source, target, keys per stage and shared memory (Q, two key tiles, P: 64 x 576 / 64 x 64
+#: bf16 tiles; two rows of float row factors; 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB)
+WGMMA_SOURCE = "mla_tree_verify_wgmma.cu"
+WGMMA_ARCH = "sm_90a"
+_WGMMA_KEY_TILE = 64
+_WGMMA_SMEM_BYTES = 3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * _ROW_TILE + 1024
+KERNEL_ENV = "SGLANG_KDTREE_MLA_KERNEL"
+KERNELS = ("wgmma", "mma")
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 256  # below this the merge pass costs more than the extra parallelism gains
 _GRAPH_MEAN_PREFIX = 4096  # context the split factor is planned for when the launch is captured in a CUDA graph
@@ -70,6 +86,39 @@ def _kernels():
 
 
 @functools.cache
+def _wgmma_kernels():
+    module = runtime.load_module_arch(WGMMA_SOURCE, WGMMA_ARCH)
+    fns = {name: module.get_function(f"mla_tree_verify_wgmma_{name}") for name in ("i64", "i32")}
+    for fn in fns.values():
+        fn.max_dynamic_shared_size_bytes = _WGMMA_SMEM_BYTES  # 225.5 KiB: one CTA per SM
+    return fns
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def resolve_kernel(kernel, device_index: int) -> str:
+    """``"wgmma"`` or ``"mma"``: ``kernel`` as asked (``None`` reads ``$SGLANG_KDTREE_MLA_KERNEL``, default
+    ``auto``: wgmma on compute capability 9.0, else mma). Asking for wgmma on another GPU is an error."""
+    import os
+
+    if kernel is None:
+        kernel = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if kernel not in ("auto",) + KERNELS:
+        raise ValueError(f"MLA tree-verify kernel {kernel!r} is not one of auto, wgmma, mma (argument kernel= or "
+                         f"${KERNEL_ENV})")
+    hopper = _capability(device_index) == (9, 0)
+    if kernel == "auto":
+        return "wgmma" if hopper else "mma"
+    if kernel == "wgmma" and not hopper:
+        raise ValueError(f"the wgmma MLA kernel needs compute capability 9.0 (sm_90a); this GPU is "
+                         f"{_capability(device_index)}: use kernel='mma' or {KERNEL_ENV}=mma")
+    return kernel
+
+
+@functools.cache
 def _launch_counter(device_index: int) -> torch.Tensor:
     """``uint64 [1]`` (stored as int64) count of ``mla_tree_verify`` launches on a device; every launch adds one
     on the device, so a launch recorded in a CUDA graph counts at each replay."""
@@ -77,11 +126,14 @@ def _launch_counter(device_index: int) -> torch.Tensor:
 
 
 def prepare(device) -> None:
-    """Compile the kernels and create ``device``'s launch counter: call before a CUDA graph that will record
-    the kernel is captured (neither a compile nor a fresh counter may happen inside a capture)."""
+    """Compile the kernels (the merge's module, and the wgmma kernel where it is the one chosen) and create
+    ``device``'s launch counter: call before a CUDA graph that will record the kernel is captured (neither a
+    compile nor a fresh counter may happen inside a capture)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     _kernels()
+    if resolve_kernel(None, index) == "wgmma":
+        _wgmma_kernels()
     _launch_counter(index)
 
 
@@ -97,16 +149,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_splits(batch: int, rows_per_request: int, mean_keys: float, num_sms: int) -> int:
+def choose_num_splits(batch: int, rows_per_request: int, mean_keys: float, num_sms: int,
+                      key_tile: int = _KEY_TILE) -> int:
     """Split-K factor: minimise (waves of CTAs) x (key tiles per CTA + fixed cost), with a merge penalty.
 
     One CTA per SM fits (its shared memory), so a wave is ``num_sms`` CTAs; small batches with long contexts
-    split the keys so every SM has work, large batches keep one split (no partial-state traffic).
+    split the keys so every SM has work, large batches keep one split (no partial-state traffic). ``key_tile``:
+    the kernel's keys per stage (32 for mma, 64 for wgmma); costs are counted in 32-key units either way.
     """
     ctas = batch * math.ceil(rows_per_request / _ROW_TILE)
     best, best_cost = 1, None
     for s in range(1, _MAX_SPLITS + 1):
-        per = math.ceil(mean_keys / s / _KEY_TILE) * _KEY_TILE
+        per = math.ceil(mean_keys / s / key_tile) * key_tile
         if s > 1 and per < _MIN_KEYS_PER_SPLIT:
             break
         waves = math.ceil(ctas * s / num_sms)
@@ -202,9 +256,12 @@ def _prepare_out(out, lse, tokens, heads, device):
 
 
 def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_scale, out, lse, num_splits,
-            mean_prefix, width, heads, words):
+            mean_prefix, width, heads, words, kernel=None):
     import numpy as np
 
+    device_index = q.device.index or 0
+    kernel = resolve_kernel(kernel, device_index)
+    key_tile = _WGMMA_KEY_TILE if kernel == "wgmma" else _KEY_TILE
     batch = kv_start.shape[0]
     rows = q.shape[0] * heads
     rows_per_request = width * heads
@@ -214,7 +271,7 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
             # req_to_token) are sized for the longest: plan for a nominal context instead (any split factor is
             # exact; this only bounds the partial-state scratch the graph keeps).
             mean_prefix = min(mean_prefix, _GRAPH_MEAN_PREFIX)
-        num_splits = choose_num_splits(batch, rows_per_request, mean_prefix + width, _num_sms(q.device.index or 0))
+        num_splits = choose_num_splits(batch, rows_per_request, mean_prefix + width, _num_sms(device_index), key_tile)
     _require(
         isinstance(num_splits, int) and 1 <= num_splits <= 4096,
         ValueError,
@@ -229,7 +286,11 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
     else:
         part_o_ptr = part_ml_ptr = 0
     fns = _kernels()
-    fn = fns["mla_tree_verify_i32" if kv_indices.dtype == torch.int32 else "mla_tree_verify_i64"]
+    index_kind = "i32" if kv_indices.dtype == torch.int32 else "i64"
+    if kernel == "wgmma":
+        fn, smem = _wgmma_kernels()[index_kind], _WGMMA_SMEM_BYTES
+    else:
+        fn, smem = fns[f"mla_tree_verify_{index_kind}"], _SMEM_BYTES
     grid = (math.ceil(rows_per_request / _ROW_TILE), num_splits, batch)
     # Raw device pointers (np.uint64) instead of CuPy arrays: CuPy has no bfloat16 dtype, and the kernel
     # only needs addresses. Every tensor referenced here stays alive in this frame until the launch is queued.
@@ -241,10 +302,10 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
         np.int32(width), np.int32(heads), np.int32(words), np.int32(num_splits),
         np.float32(sm_scale * math.log2(math.e)),
         ptr(out.data_ptr()), ptr(lse.data_ptr()), ptr(part_o_ptr), ptr(part_ml_ptr), np.int64(rows),
-        ptr(_launch_counter(q.device.index or 0).data_ptr()),
+        ptr(_launch_counter(device_index).data_ptr()),
     )
     with runtime.current_stream():
-        fn(grid, (_THREADS,), args, shared_mem=_SMEM_BYTES)
+        fn(grid, (_THREADS,), args, shared_mem=smem)
         if num_splits > 1:
             fns["merge"](
                 (rows,), (128,),
@@ -255,7 +316,7 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
 
 
 def mla_tree_verify(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bits, sm_scale, *, out=None,
-                    lse=None, num_splits=None):
+                    lse=None, num_splits=None, kernel=None):
     """Tree-verify absorbed-MLA attention on the GPU (bf16 tensor cores, fp32 softmax).
 
     Args:
@@ -270,6 +331,7 @@ def mla_tree_verify(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bi
         out: optional ``[bs*N, H, 512]`` bf16 output buffer (written fully).
         lse: optional ``[bs*N, H]`` float32 LSE buffer (natural log).
         num_splits: split-K factor over the keys; default from ``choose_num_splits``.
+        kernel: ``"auto"``, ``"wgmma"`` or ``"mma"`` (module docstring); default ``$SGLANG_KDTREE_MLA_KERNEL``.
 
     Returns:
         ``(out [bs*N, H, 512] bf16, lse [bs*N, H] float32)``.
@@ -291,11 +353,11 @@ def mla_tree_verify(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bi
     # kv_indices' length is host-known (no sync); SGLang sizes it to the batch's prefix total.
     mean_prefix = kv_indices.shape[0] / batch
     return _launch(q, kv2, indptr[:-1], indptr[1:], kv_indices.contiguous(), tree_slots, ancestor_bits, sm_scale,
-                   out, lse, num_splits, mean_prefix, width, heads, words)
+                   out, lse, num_splits, mean_prefix, width, heads, words, kernel)
 
 
 def mla_tree_verify_paged(q, kv_buffer, req_to_token, req_pool_indices, prefix_lens, tree_slots, ancestor_bits,
-                          sm_scale, *, out=None, lse=None, num_splits=None, max_prefix_len=None):
+                          sm_scale, *, out=None, lse=None, num_splits=None, max_prefix_len=None, kernel=None):
     """``mla_tree_verify`` with the prefix addressed through ``req_to_token`` rows (the fa3 backend's view).
 
     Args:
@@ -324,7 +386,7 @@ def mla_tree_verify_paged(q, kv_buffer, req_to_token, req_pool_indices, prefix_l
     kv_end = kv_start + prefix_lens.to(torch.int64)
     mean_prefix = req_to_token.shape[1] if max_prefix_len is None else max_prefix_len
     return _launch(q, kv2, kv_start, kv_end, req_to_token, tree_slots, ancestor_bits, sm_scale, out, lse,
-                   num_splits, mean_prefix, width, heads, words)
+                   num_splits, mean_prefix, width, heads, words, kernel)
 
 
 def mla_tree_verify_reference(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bits, sm_scale):

@@ -10,8 +10,8 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module", "as_cupy",
-           "current_stream", "require_cuda", "device_ptr"]
+__all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
+           "load_module_arch", "as_cupy", "current_stream", "require_cuda", "device_ptr"]
 
 
 @functools.cache
@@ -71,6 +71,45 @@ def load_module(name: str, options: tuple[str, ...] = ()):
 
     opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}") + tuple(options)
     return cupy.RawModule(code=compile_source(name), options=opts, name_expressions=None)
+
+
+@functools.cache
+def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
+    """``load_module`` for an architecture-specific target such as ``sm_90a`` (Hopper's wgmma), which CuPy's
+    compile path cannot name (it derives ``-arch`` from the device's compute capability as an integer).
+
+    Compiled once per process with NVRTC to a cubin, kept in CuPy's kernel cache folder under a name keyed by
+    the source (headers included), the options and the NVRTC version, then loaded with ``cupy.RawModule``."""
+    import hashlib
+    import os
+    import tempfile
+
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}", f"--gpu-architecture={arch}") + tuple(options)
+    source = compile_source(name)
+    key = hashlib.sha256("\0".join((source,) + opts + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    path = cache / f"sglang_kdtree_{Path(name).stem}_{arch}_{key}.cubin"
+    if not path.is_file():
+        prog = nvrtc.createProgram(source, name, [], [])
+        try:
+            try:
+                nvrtc.compileProgram(prog, list(opts))
+            except nvrtc.NVRTCError as exc:
+                raise RuntimeError(f"NVRTC could not compile kernels/{name} for {arch}: {exc}\n"
+                                   f"{nvrtc.getProgramLog(prog)}") from exc
+            cubin = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        cache.mkdir(parents=True, exist_ok=True)
+        # written whole, then renamed: tensor-parallel ranks compiling at once never load a partial file
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    return cupy.RawModule(path=str(path))
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""GPU tests of kernels/mla_tree_verify.cu against its float64 twin (relative Frobenius error <= 2e-2 on
-outputs; LSE absolute error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first."""
+"""GPU tests of both MLA tree-verify kernels (kernels/mla_tree_verify_wgmma.cu on compute capability 9.0, and
+kernels/mla_tree_verify.cu) against their float64 twin (relative Frobenius error <= 2e-2 on outputs; LSE absolute
+error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first. Every test runs once per kernel."""
 
 import math
 
@@ -17,6 +18,20 @@ from sglang_kdtree.gpu.mla_attention import (
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2
+
+
+@pytest.fixture(params=["wgmma", "mma"], autouse=True)
+def kernel(request, monkeypatch):
+    """Each test once per kernel, through the environment switch the server reads (so the paged entry point and
+    the launch counter are covered too)."""
+    from sglang_kdtree.gpu.runtime import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is not None:
+        pytest.skip(gpu_unavailable_reason())
+    if request.param == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    monkeypatch.setenv("SGLANG_KDTREE_MLA_KERNEL", request.param)
+    return request.param
 
 
 def _run(case, num_splits=None):
@@ -55,6 +70,8 @@ GRID = [
     (2, 257, 8, [300, 2000]),
     (1, 513, 16, [1200]),     # widest tree: 17 ancestor words per row
     (4, 65, 8, [16384, 3, 700, 8000]),
+    (2, 65, 16, [63, 64]),    # prefixes one short of / exactly one 64-key stage: tree keys start a stage
+    (1, 129, 8, [1]),         # tree keys span three 64-key stages
 ]
 
 
@@ -66,7 +83,7 @@ def test_matches_float64_reference(bs, width, heads, prefix):
     _check(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 40, 64])
 def test_split_k_merge_matches_reference(num_splits):
     case = synthetic_inputs(2, 65, 16, [3000, 129], seed=num_splits)
     ref_out, ref_lse = _reference(case)
@@ -184,3 +201,21 @@ def test_launch_counter_counts_eager_calls_and_graph_replays():
     assert mla_attention.launch_count() == start + 3
     ref_out, ref_lse = _reference(case)
     _check(out, lse, ref_out, ref_lse)
+
+
+def test_kernels_agree_with_each_other(kernel):
+    """The other kernel on the same inputs, as an independent computation: both within 2e-2 of each other."""
+    case = synthetic_inputs(3, 65, 16, [2000, 64, 517], seed=21, q_std=2.0)
+    out, lse = _run(case)
+    other = "mma" if kernel == "wgmma" else "wgmma"
+    if other == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("no second kernel on this GPU")
+    out2 = torch.full_like(out, float("nan"))
+    lse2 = torch.full_like(lse, float("nan"))
+    mla_tree_verify(case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
+                    case["ancestor_bits"], case["sm_scale"], out=out2, lse=lse2, kernel=other)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out2).any()
+    rel = (out.double() - out2.double()).norm() / out2.double().norm()
+    assert rel <= TOL, f"{kernel} vs {other}: relative difference {rel:.3e}"
+    assert (lse - lse2).abs().max() <= TOL
