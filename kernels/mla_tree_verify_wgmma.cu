@@ -7,8 +7,8 @@
 // from shared memory once for a warpgroup (four warps), so the same work moves ~2.5x fewer shared-memory bytes.
 //
 // CTA: 64 consecutive (node, head) query rows of one request (one wgmma M), 256 threads = two warpgroups; the
-// request's keys stream through shared memory 64 at a time (double buffered, cp.async with one slot lookup per
-// thread):
+// request's keys stream through shared memory 64 at a time (double buffered; warpgroup 1 issues the cp.async loads
+// of the next tile while warpgroup 0 computes):
 //   * warpgroup 0: S = Q K^T (64 x 64 keys, 36 wgmma m64n64k16 over depth 576), the ancestor mask, the online
 //     softmax; P (bf16) and each row's rescale factor go to shared memory;
 //   * both warpgroups: O += P V for their half of the 512 value columns (4 wgmma m64n256k16; V is read in place
@@ -167,19 +167,27 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
         anc_row[hh] = anc_bits + ((long long)b * N + node) * words;
     }
 
+    // A key tile's loads, issued by warpgroup 1 alone: it is idle while warpgroup 0 computes S and the softmax, so
+    // warpgroup 0 never waits on a slot lookup. 8 threads per key row (a warp covers 4 rows x 128 contiguous bytes
+    // per load), 9 of its 72 chunks each, 16 rows per pass, one slot lookup per row. (On the H200 this beat all 256
+    // threads loading, and 2 or 4 threads per row: benchmarks/RESULTS.md, session 14.)
     auto load_keys = [&](int stage, int t0) {
-        // 4 threads per key row, 18 of its 72 chunks each; one slot lookup per thread.
-        const int r = tid >> 2;
-        const int t = t0 + r;
-        const bool valid = t < k_hi;
-        long long slot = 0;
-        if (valid) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
-        const bf16_t* src = kv + slot * kv_stride;
+        if (wg != 1) return;
         const u32 dst = k_sa + stage * TILE_BYTES;
+        const int lt = tid - 128;
 #pragma unroll
-        for (int j = 0; j < CHUNKS / 4; ++j) {
-            const int ch = (tid & 3) + 4 * j;
-            cp_async16(dst + swz(r, ch), src + ch * 8, valid);
+        for (int pass = 0; pass < KEY_TILE / 16; ++pass) {
+            const int r = (lt >> 3) + 16 * pass;
+            const int t = t0 + r;
+            const bool valid = t < k_hi;
+            long long slot = 0;
+            if (valid) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
+            const bf16_t* src = kv + slot * kv_stride;
+#pragma unroll
+            for (int j = 0; j < CHUNKS / 8; ++j) {
+                const int ch = (lt & 7) + 8 * j;
+                cp_async16(dst + swz(r, ch), src + ch * 8, valid);
+            }
         }
     };
 
@@ -229,14 +237,15 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
             // ---- mask (prefix always visible; tree key j iff ancestor-or-self), scale, row max ----
             // s[4 i + e]: row lrow[e >> 1], key t0 + 8 i + 2 quad + (e & 1)
             float mx[2] = {NEG_INF, NEG_INF};
+            const bool all_prefix = t0 + KEY_TILE <= min(prefix, k_hi);  // every key of the tile visible to every row
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int hh = e >> 1;
                     const int t = t0 + 8 * i + 2 * quad + (e & 1);
-                    bool vis = t < k_hi;
-                    if (vis && t >= prefix) {
+                    bool vis = all_prefix || t < k_hi;
+                    if (!all_prefix && vis && t >= prefix) {
                         const int j = t - prefix;
                         vis = (__ldg(anc_row[hh] + (j >> 5)) >> (j & 31)) & 1u;
                     }
