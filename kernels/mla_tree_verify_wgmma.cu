@@ -63,6 +63,13 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// 2^x in one MUFU op (flushes subnormal results to 0: a P of 2^-126 is nothing next to the row's 1).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K, P): lbo unused (16), sbo = 1024
 // (the next 8 rows). N-major V: lbo = the next 64 value columns (a column block), sbo = the next 8 keys.
 __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
@@ -191,6 +198,7 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
         }
     };
 
+    const u64 dq = sw128_desc(q_sa, 16, 1024), dp = sw128_desc(p_sa, 16, 1024);  // advanced in 16-byte units
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -224,57 +232,72 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
             float s[32];
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.f;
+            const u64 dk = sw128_desc(kt, 16, 1024);
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < D_QK / 16; ++kk) {
-                const u32 off = (kk >> 2) * BLK_BYTES + (kk & 3) * 32;
-                wgmma_m64n64_kk(s, sw128_desc(q_sa + off, 16, 1024), sw128_desc(kt + off, 16, 1024), kk > 0);
+                const u32 off = ((kk >> 2) * BLK_BYTES + (kk & 3) * 32) >> 4;  // descriptor units (16 bytes)
+                wgmma_m64n64_kk(s, dq + off, dk + off, kk > 0);
             }
             wg_commit();
             wg_wait_all();
             fence_regs(s);
 
-            // ---- mask (prefix always visible; tree key j iff ancestor-or-self), scale, row max ----
+            // ---- mask (prefix always visible; tree key j iff ancestor-or-self), scale ----
             // s[4 i + e]: row lrow[e >> 1], key t0 + 8 i + 2 quad + (e & 1)
-            float mx[2] = {NEG_INF, NEG_INF};
-            const bool all_prefix = t0 + KEY_TILE <= min(prefix, k_hi);  // every key of the tile visible to every row
+            if (t0 + KEY_TILE <= min(prefix, k_hi)) {  // the whole tile is prefix: every key visible to every row
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int hh = e >> 1;
-                    const int t = t0 + 8 * i + 2 * quad + (e & 1);
-                    bool vis = all_prefix || t < k_hi;
-                    if (!all_prefix && vis && t >= prefix) {
-                        const int j = t - prefix;
-                        vis = (__ldg(anc_row[hh] + (j >> 5)) >> (j & 31)) & 1u;
-                    }
-                    // select, never add: a masked key may hold any value (poisoned rows included)
-                    const float v = vis ? s[4 * i + e] * scale_log2 : NEG_INF;
-                    s[4 * i + e] = v;
-                    mx[hh] = fmaxf(mx[hh], v);
-                }
-            }
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-                const float m_new = fmaxf(m_run[hh], mx[hh]);
-                // a row with no visible key so far keeps max -inf: use 0 as reference so exp2 sees -inf, not NaN
-                const float ref = m_new == NEG_INF ? 0.f : m_new;
-                alpha[hh] = exp2f(m_run[hh] - ref);
-                m_run[hh] = m_new;
-                const int row = lrow[hh];
-                float sum = 0.f;
+                for (int i = 0; i < 32; ++i) s[i] *= scale_log2;
+            } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    const float p0 = exp2f(s[4 * i + 2 * hh] - ref);
-                    const float p1 = exp2f(s[4 * i + 2 * hh + 1] - ref);
-                    sum += p0 + p1;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int hh = e >> 1;
+                        const int t = t0 + 8 * i + 2 * quad + (e & 1);
+                        bool vis = t < k_hi;
+                        if (vis && t >= prefix) {
+                            const int j = t - prefix;
+                            vis = (__ldg(anc_row[hh] + (j >> 5)) >> (j & 31)) & 1u;
+                        }
+                        // select, never add: a masked key may hold any value (poisoned rows included)
+                        s[4 * i + e] = vis ? s[4 * i + e] * scale_log2 : NEG_INF;
+                    }
+                }
+            }
+            // ---- online softmax (row max and sum as pairwise trees: short dependency chains) ----
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float m[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) m[i] = fmaxf(s[4 * i + 2 * hh], s[4 * i + 2 * hh + 1]);
+#pragma unroll
+                for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+                    for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+                float mx = m[0];
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_run[hh], mx);
+                // a row with no visible key so far keeps max -inf: use 0 as reference so exp2 sees -inf, not NaN
+                const float ref = m_new == NEG_INF ? 0.f : m_new;
+                alpha[hh] = ex2(m_run[hh] - ref);
+                m_run[hh] = m_new;
+                const int row = lrow[hh];
+                float sums[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float p0 = ex2(s[4 * i + 2 * hh] - ref);
+                    const float p1 = ex2(s[4 * i + 2 * hh + 1] - ref);
+                    sums[i] = p0 + p1;
                     // P[row][8 i + 2 quad ..+1], K-major, swizzled like every tile
                     *(u32*)(p_s + row * 128 + ((i ^ (row & 7)) << 4) + 4 * quad) = pack_bf16x2(p0, p1);
                 }
-                l_run[hh] = l_run[hh] * alpha[hh] + sum;
+#pragma unroll
+                for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+                    for (int i = 0; i < w; ++i) sums[i] += sums[i + w];
+                l_run[hh] = l_run[hh] * alpha[hh] + sums[0];
                 if (quad == 0) alpha_s[row] = alpha[hh];
             }
         }
@@ -285,18 +308,20 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
             alpha[1] = alpha_s[lrow[1]];
         }
         // ---- O = alpha O + P V over this warpgroup's 256 value columns: 4 k-steps of 16 keys ----
+        // (once the running maxima settle, alpha is 1 for every row of the warp: the rescale is skipped)
+        if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            o[4 * i] *= alpha[0];
-            o[4 * i + 1] *= alpha[0];
-            o[4 * i + 2] *= alpha[1];
-            o[4 * i + 3] *= alpha[1];
+            for (int i = 0; i < 32; ++i) {
+                o[4 * i] *= alpha[0];
+                o[4 * i + 1] *= alpha[0];
+                o[4 * i + 2] *= alpha[1];
+                o[4 * i + 3] *= alpha[1];
+            }
         }
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < KEY_TILE / 16; ++ks) {
-            wgmma_m64n256_kn(o, sw128_desc(p_sa + ks * 32, 16, 1024),
-                             sw128_desc(kt + 4 * wg * BLK_BYTES + ks * 16 * 128, BLK_BYTES, 1024), 1);
+        for (int ks = 0; ks < KEY_TILE / 16; ++ks) {  // P: 32 bytes per k-step; V: 16 keys = 2 KiB per k-step
+            wgmma_m64n256_kn(o, dp + ks * 2, sw128_desc(kt + 4 * wg * BLK_BYTES, BLK_BYTES, 1024) + ks * 128, 1);
         }
         wg_commit();
         wg_wait_all();
