@@ -19,7 +19,8 @@ ancestor rows. A call is routed to it only when every condition holds; anything 
 
 Option ``SGLANG_KDTREE_MLA`` (read when the plugin registers): ``fused`` (default) registers the hooks;
 ``off`` leaves SGLang's MLA verify path in place (for A/B comparisons of the verify logits; see
-``tests/gpu/test_server_cuda.py``).
+``tests/gpu/test_server_cuda.py``). ``SGLANG_KDTREE_MLA_KERNEL`` (``auto|wgmma|mma``, checked at registration) picks
+which fused kernel (``sglang_kdtree.gpu.mla_attention``).
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ def register() -> None:
     if option() == "off":
         logger.info("sglang-kdtree: %s=off, MLA tree verify keeps SGLang's attention path", ENV_OPTION)
         return
+    from sglang_kdtree.gpu.mla_attention import kernel_option
+
+    kernel_option()  # an unknown $SGLANG_KDTREE_MLA_KERNEL fails here, at startup, not in the first verify round
 
     HookRegistry.register(TRITON_TARGET, triton_forward_extend, HookType.AROUND)
     # fa3's module needs libcuda at import; on a machine without CUDA there is nothing to wrap, and SGLang

@@ -146,6 +146,21 @@ def test_register_adds_around_hooks_for_both_backends(monkeypatch, cuda):
     assert fa3 == ([(HookType.AROUND, hook.fa3_forward_extend)] if cuda else [])
 
 
+def test_register_refuses_an_unknown_mla_kernel(monkeypatch):
+    """$SGLANG_KDTREE_MLA_KERNEL is checked when the plugin registers (server startup), naming the variable."""
+    from collections import defaultdict
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setenv("SGLANG_KDTREE_MLA_KERNEL", "flashmla")
+    with pytest.raises(ValueError, match="SGLANG_KDTREE_MLA_KERNEL.*auto|wgmma|mma"):
+        hook.register()
+    monkeypatch.setenv("SGLANG_KDTREE_MLA_KERNEL", " MMA ")
+    hook.register()
+    assert HookRegistry._hooks[hook.TRITON_TARGET]
+
+
 def test_triton_routes_kdtree_verify_to_kernel(calls):
     be, layer = _backend(), _layer()
     q = torch.zeros(6, 4 * 576)

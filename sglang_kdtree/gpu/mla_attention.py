@@ -49,6 +49,7 @@ __all__ = [
     "synthetic_inputs",
     "launch_count",
     "prepare",
+    "kernel_option",
     "resolve_kernel",
 ]
 
@@ -99,16 +100,23 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def resolve_kernel(kernel, device_index: int) -> str:
-    """``"wgmma"`` or ``"mma"``: ``kernel`` as asked (``None`` reads ``$SGLANG_KDTREE_MLA_KERNEL``, default
-    ``auto``: wgmma on compute capability 9.0, else mma). Asking for wgmma on another GPU is an error."""
+def kernel_option(kernel=None) -> str:
+    """``auto``, ``wgmma`` or ``mma``: ``kernel`` or, when None, ``$SGLANG_KDTREE_MLA_KERNEL`` (default ``auto``),
+    normalised; any other value is an error naming the variable (the plugin checks it when it registers)."""
     import os
 
     if kernel is None:
         kernel = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if kernel not in ("auto",) + KERNELS:
-        raise ValueError(f"MLA tree-verify kernel {kernel!r} is not one of auto, wgmma, mma (argument kernel= or "
-                         f"${KERNEL_ENV})")
+        raise ValueError(f"kdtree: MLA tree-verify kernel {kernel!r} (argument kernel= or {KERNEL_ENV}) is not one "
+                         f"of auto|wgmma|mma; unset {KERNEL_ENV} or pick one")
+    return kernel
+
+
+def resolve_kernel(kernel, device_index: int) -> str:
+    """``"wgmma"`` or ``"mma"``: ``kernel`` as asked (``None`` reads ``$SGLANG_KDTREE_MLA_KERNEL``, default
+    ``auto``: wgmma on compute capability 9.0, else mma). Asking for wgmma on another GPU is an error."""
+    kernel = kernel_option(kernel)
     hopper = _capability(device_index) == (9, 0)
     if kernel == "auto":
         return "wgmma" if hopper else "mma"
