@@ -12,8 +12,9 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
    (``pkgutil.resolve_name``);
 5. CuPy and the GPU (a machine without a GPU is a warning unless ``--require-gpu``: it can run the CPU
    reference and the tests, not a CUDA server);
-6. a kernel compile: every ``kernels/*.cu`` through NVRTC, loaded on the GPU where there is one, else a
-   front-end compile for ``--arch``;
+6. a kernel compile: every ``kernels/*.cu`` through NVRTC, loaded on the GPU where there is one (a kernel built
+   for an architecture-specific target, ``runtime.ARCH_SPECIFIC``, only on that GPU), else a front-end compile for
+   ``--arch`` (or that kernel's own target);
 7. optional ``--model-path`` / ``--speculative-draft-model-path``: the paths exist, the target's architecture
    is one SGLang's DFlash drafter can serve under DDTree (its hidden states can be captured, attention is
    MHA or MLA, no linear-attention / Mamba layers), and the drafter's block size is in the range DDTree
@@ -374,14 +375,23 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
     if not sources:
         return False  # reported by check_package
     t0 = time.perf_counter()
+    other_gpu = []  # architecture-specific kernels this GPU cannot load (they are not used on it)
     if gpu_reason is None:
         failed = []
         for name in sources:
+            target = runtime.ARCH_SPECIFIC.get(name)
             try:
-                runtime.load_module(name).compile()
+                if target is None:
+                    runtime.load_module(name).compile()
+                elif runtime.arch_runs_here(target):
+                    runtime.load_module_arch(name, target).compile()
+                else:
+                    other_gpu.append(f"{name} ({target})")
             except Exception as exc:
                 failed.append((name, f"{type(exc).__name__}: {exc}"))
         how = "compiled with NVRTC and loaded on the GPU"
+        if other_gpu:
+            how += f"; not for this GPU, not loaded: {', '.join(other_gpu)}"
     else:
         try:
             from cupy_backends.cuda.libs import nvrtc
@@ -392,17 +402,19 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
                         "on the serving machine NVRTC comes with the CUDA toolkit or nvidia-cuda-nvrtc")
             return True
         failed = []
-        options = NVRTC_OPTIONS + (f"-I{kdir}", f"-arch=compute_{arch}")
+        options = NVRTC_OPTIONS + (f"-I{kdir}",)
         for name in sources:
+            target = runtime.ARCH_SPECIFIC.get(name, f"sm_{arch}").replace("sm_", "compute_")
             program = nvrtc.createProgram((kdir / name).read_text(), name, (), ())
             try:
-                nvrtc.compileProgram(program, options)
+                nvrtc.compileProgram(program, options + (f"-arch={target}",))
                 nvrtc.getPTX(program)
             except nvrtc.NVRTCError:
                 failed.append((name, nvrtc.getProgramLog(program)))
             finally:
                 nvrtc.destroyProgram(program)
-        how = f"NVRTC {nvrtc_version} front end, compute_{arch} (no GPU here to load them)"
+        special = ", ".join(f"{n}: {a.replace('sm_', 'compute_')}" for n, a in runtime.ARCH_SPECIFIC.items())
+        how = f"NVRTC {nvrtc_version} front end, compute_{arch} ({special}; no GPU here to load them)"
     seconds = time.perf_counter() - t0
     for name, log in failed:
         report.fail(f"kernel {name} does not compile ({how})",

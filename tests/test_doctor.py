@@ -245,3 +245,39 @@ def test_launch_args_problem_runs_sglangs_parser_then_kdtrees_checks():
     assert server_argv(cmd) == ["--model-path", "/models/Kimi K2.6", "--tp", "8"]
     assert server_argv("sglang serve --model-path /m") == ["--model-path", "/m"]
     assert server_argv("--model-path /m") == ["--model-path", "/m"]
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_doctor_loads_an_arch_specific_kernel_only_for_its_gpu(monkeypatch, hopper):
+    """With a GPU, the wgmma MLA kernel is built for sm_90a (``load_module_arch``), never through ``load_module``
+    (CuPy's sm_90 build cannot assemble wgmma), and on another GPU it is named as not loaded, not failed."""
+    import io
+
+    from sglang_kdtree.gpu import runtime
+
+    plain, special = [], []
+
+    class _Module:
+        def compile(self):
+            return None
+
+    def load_module(name, options=()):
+        plain.append(name)
+        return _Module()
+
+    def load_module_arch(name, arch, options=()):
+        special.append((name, arch))
+        return _Module()
+
+    monkeypatch.setattr(runtime, "load_module", load_module)
+    monkeypatch.setattr(runtime, "load_module_arch", load_module_arch)
+    monkeypatch.setattr(runtime, "arch_runs_here", lambda arch, device_index=None: hopper)
+    report = doctor.Report(out=io.StringIO())
+    assert doctor.check_kernels(report, None, "90")
+    text = report.out.getvalue()
+    assert report.counts[doctor.FAIL] == 0 and "kernel compile:" in text
+    assert set(runtime.ARCH_SPECIFIC).isdisjoint(plain) and len(plain) >= 11
+    if hopper:
+        assert special == list(runtime.ARCH_SPECIFIC.items()) and "not for this GPU" not in text
+    else:
+        assert special == [] and "not for this GPU, not loaded: mla_tree_verify_wgmma.cu (sm_90a)" in text

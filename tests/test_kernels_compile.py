@@ -1,5 +1,5 @@
-"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 (sm_90a for the
-one that says so: ``mla_attention.WGMMA_SOURCE``) with the runtime's options (NVRTC needs no GPU), and every
+"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 (for its own target
+when ``runtime.ARCH_SPECIFIC`` names one: sm_90a for the wgmma MLA kernel) with the runtime's options (NVRTC needs no GPU), and every
 ``extern "C" __global__`` function it declares is an entry of the PTX, so a kernel that no longer compiles fails
 on a CPU machine too."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from sglang_kdtree.gpu import mla_attention, runtime
 
-#: kernels built for an architecture-specific target (``runtime.load_module_arch``), by name
-ARCH_SPECIFIC = {mla_attention.WGMMA_SOURCE: mla_attention.WGMMA_ARCH.replace("sm_", "compute_")}
+#: NVRTC's virtual target for the kernels built for an architecture-specific one
+ARCH_SPECIFIC = {name: arch.replace("sm_", "compute_") for name, arch in runtime.ARCH_SPECIFIC.items()}
 
 #: every ``.cu`` below kernels/, by its path relative to it (the name ``runtime.kernel_source`` takes)
 KERNELS = sorted(p.relative_to(runtime.kernels_dir()).as_posix()
@@ -32,6 +32,7 @@ def _nvrtc():
 
 def test_every_kernel_is_listed():
     assert len(KERNELS) >= 12 and "topk_histogram.cu" in KERNELS and set(ARCH_SPECIFIC) <= set(KERNELS)
+    assert runtime.ARCH_SPECIFIC[mla_attention.WGMMA_SOURCE] == mla_attention.WGMMA_ARCH == "sm_90a"
     assert {"moe/moe_align.cu", "moe/moe_topk_sum.cu", "moe/silu_and_mul.cu"} <= set(KERNELS)
 
 

@@ -65,7 +65,7 @@ _SMEM_BYTES = 2 * (_ROW_TILE * _LDS + 2 * _KEY_TILE * _LDS + _ROW_TILE * (_KEY_T
 #: the wgmma kernel: its source, target, keys per stage and shared memory (Q, two key tiles, P: 64 x 576 / 64 x 64
 #: bf16 tiles; two rows of float row factors; 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB)
 WGMMA_SOURCE = "mla_tree_verify_wgmma.cu"
-WGMMA_ARCH = "sm_90a"
+WGMMA_ARCH = runtime.ARCH_SPECIFIC[WGMMA_SOURCE]
 _WGMMA_KEY_TILE = 64
 _WGMMA_SMEM_BYTES = 3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * _ROW_TILE + 1024
 KERNEL_ENV = "SGLANG_KDTREE_MLA_KERNEL"

@@ -11,7 +11,12 @@ import importlib.resources
 from pathlib import Path
 
 __all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
-           "load_module_arch", "as_cupy", "current_stream", "require_cuda", "device_ptr"]
+           "load_module_arch", "ARCH_SPECIFIC", "arch_runs_here", "as_cupy", "current_stream", "require_cuda",
+           "device_ptr"]
+
+#: kernels built for an architecture-specific target (``load_module_arch``), by source name; every other kernel
+#: compiles for the device's own compute capability (``load_module``)
+ARCH_SPECIFIC = {"mla_tree_verify_wgmma.cu": "sm_90a"}
 
 
 @functools.cache
@@ -110,6 +115,14 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
             f.write(cubin)
         os.replace(tmp, path)
     return cupy.RawModule(path=str(path))
+
+
+def arch_runs_here(arch: str, device_index: int | None = None) -> bool:
+    """Whether a cubin for ``arch`` (``sm_90a``: exactly compute capability 9.0) loads on the current GPU."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return arch.removesuffix("a") == f"sm_{major}{minor}"
 
 
 @functools.cache
