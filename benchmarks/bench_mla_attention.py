@@ -176,7 +176,8 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
         if batch * context <= with_torch_limit:
             torch_ms = _timed(torch_runner(case), min_reps=2, budget_s=0.1)
         row = dict(batch=batch, context=context, width=width, heads=heads, prefix=prefix, kernel=kernel,
-                   ours_ms=ours, mma_ms=mma_ms, triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms, flops=flops, bytes=nbytes)
+                   ours_ms=ours, mma_ms=mma_ms, triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms,
+                   flops=flops, bytes=nbytes)
         rows.append(row)
         print(f"{batch:>3} {context:>6} {width:>4} {heads:>3} | {ours:>9.3f} {mma_ms:>8.3f} {triton_ms:>10.3f} "
               f"{torch_ms:>9.3f} | {mma_ms / ours:>6.2f} {triton_ms / ours:>8.2f} {roof_ms:>8.3f} "

@@ -43,12 +43,12 @@ def test_kernel_choice_follows_the_gpu_and_the_switch(monkeypatch):
     from sglang_kdtree.gpu import mla_attention as mla
 
     monkeypatch.delenv(mla.KERNEL_ENV, raising=False)
-    monkeypatch.setattr(mla, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(mla.runtime, "device_capability", lambda index: (9, 0))
     assert mla.resolve_kernel(None, 0) == "wgmma"
     assert mla.resolve_kernel("mma", 0) == "mma"
     monkeypatch.setenv(mla.KERNEL_ENV, "MMA")
     assert mla.resolve_kernel(None, 0) == "mma"
-    monkeypatch.setattr(mla, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(mla.runtime, "device_capability", lambda index: (8, 0))
     monkeypatch.setenv(mla.KERNEL_ENV, "auto")
     assert mla.resolve_kernel(None, 0) == "mma"
     with pytest.raises(ValueError, match="compute capability 9.0"):

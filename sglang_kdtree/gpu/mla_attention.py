@@ -95,11 +95,6 @@ def _wgmma_kernels():
     return fns
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def kernel_option(kernel=None) -> str:
     """``auto``, ``wgmma`` or ``mma``: ``kernel`` or, when None, ``$SGLANG_KDTREE_MLA_KERNEL`` (default ``auto``),
     normalised; any other value is an error naming the variable (the plugin checks it when it registers)."""
@@ -117,12 +112,12 @@ def resolve_kernel(kernel, device_index: int) -> str:
     """``"wgmma"`` or ``"mma"``: ``kernel`` as asked (``None`` reads ``$SGLANG_KDTREE_MLA_KERNEL``, default
     ``auto``: wgmma on compute capability 9.0, else mma). Asking for wgmma on another GPU is an error."""
     kernel = kernel_option(kernel)
-    hopper = _capability(device_index) == (9, 0)
+    hopper = runtime.arch_runs_here(WGMMA_ARCH, device_index)
     if kernel == "auto":
         return "wgmma" if hopper else "mma"
     if kernel == "wgmma" and not hopper:
         raise ValueError(f"the wgmma MLA kernel needs compute capability 9.0 (sm_90a); this GPU is "
-                         f"{_capability(device_index)}: use kernel='mma' or {KERNEL_ENV}=mma")
+                         f"{runtime.device_capability(device_index)}: use kernel='mma' or {KERNEL_ENV}=mma")
     return kernel
 
 

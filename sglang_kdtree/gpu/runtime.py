@@ -11,7 +11,7 @@ import importlib.resources
 from pathlib import Path
 
 __all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
-           "load_module_arch", "ARCH_SPECIFIC", "arch_runs_here", "as_cupy", "current_stream", "require_cuda",
+           "load_module_arch", "ARCH_SPECIFIC", "device_capability", "arch_runs_here", "as_cupy", "current_stream", "require_cuda",
            "device_ptr"]
 
 #: kernels built for an architecture-specific target (``load_module_arch``), by source name; every other kernel
@@ -117,11 +117,22 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
     return cupy.RawModule(path=str(path))
 
 
-def arch_runs_here(arch: str, device_index: int | None = None) -> bool:
-    """Whether a cubin for ``arch`` (``sm_90a``: exactly compute capability 9.0) loads on the current GPU."""
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a CUDA device, once per process."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device_index)
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def arch_runs_here(arch: str, device_index: int | None = None) -> bool:
+    """Whether a cubin for ``arch`` (``sm_90a``: exactly compute capability 9.0) loads on a GPU (default: the
+    current one)."""
+    if device_index is None:
+        import torch
+
+        device_index = torch.cuda.current_device()
+    major, minor = device_capability(device_index)
     return arch.removesuffix("a") == f"sm_{major}{minor}"
 
 
