@@ -162,7 +162,9 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
                         sum(s["ms"].get(n, 0.0) for n in SGLANG_STEPS) for s in with_steps)
                 row.update(split_ms=split, rounds=len(rounds),
                            graph_rounds=sum(bool(r.get("graph")) for r in rounds),
-                           mla_launches=rounds[-1].get("mla_launches"), marlin_routed=rounds[-1].get("marlin_routed"))
+                           mla_launches=rounds[-1].get("mla_launches"),
+                           mla_launches_by_kernel=rounds[-1].get("mla_launches_by_kernel"),
+                           marlin_routed=rounds[-1].get("marlin_routed"))
             table.setdefault(str(bs), {})[kind] = row
     return table
 

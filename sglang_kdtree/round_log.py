@@ -106,7 +106,8 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
       parent's first child (rank > 0 at their depth): acceptance a chain drafter (DFLASH) could not have;
     * ``backend`` (``gpu`` / ``reference``) and ``graph`` (the target verify replayed a CUDA graph);
     * ``mla_launches``: launches of the fused MLA tree-verify kernel in this process so far (a device
-      counter, so launches inside graph replays count); ``marlin_routed``: routed Marlin MoE calls (eager
+      counter, so launches inside graph replays count), and ``mla_launches_by_kernel`` the same per kernel
+      (``{"wgmma": n}`` / ``{"mma": n}``: which one ran); ``marlin_routed``: routed Marlin MoE calls (eager
       calls plus captures); ``tree_graph_replays`` / ``commit_graph_replays``: the GPU round graphs' replays;
       ``tree_head_first``: tree steps that found the stream idle and issued the head GEMM before their host work
       (``TreeStepGraphs.step``);
@@ -120,7 +121,9 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
     if backend.name == "gpu":
         from sglang_kdtree.gpu import mla_attention
 
-        record["mla_launches"] = mla_attention.launch_count(device)
+        by_kernel = mla_attention.launch_counts(device)
+        record["mla_launches"] = sum(by_kernel.values())
+        record["mla_launches_by_kernel"] = by_kernel
         record["tree_graph_replays"] = backend._tree_graphs.replays
         record["commit_graph_replays"] = backend._commit_graphs.replays
         record["tree_head_first"] = backend._tree_graphs.head_first

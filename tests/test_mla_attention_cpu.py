@@ -84,3 +84,19 @@ def test_load_module_arch_compiles_to_a_cached_cubin(tmp_path, monkeypatch):
     assert runtime.load_module_arch(mla.WGMMA_SOURCE, mla.WGMMA_ARCH) == first
     assert files[0].stat().st_mtime_ns == stamp and len(loaded) == 2
     runtime.load_module_arch.cache_clear()
+
+
+def test_launch_counts_are_per_device_and_per_kernel(monkeypatch):
+    """The round log's ``mla_launches_by_kernel`` / ``mla_launches``: one counter per (device, kernel); a
+    device's counts name only the kernels prepared or launched there. CPU tensors stand in for the device
+    counters (torch.device("cuda:i") needs no GPU)."""
+    import torch
+
+    from sglang_kdtree.gpu import mla_attention as mla
+
+    monkeypatch.setattr(mla, "_counters", {(0, "wgmma"): torch.tensor([5]), (0, "mma"): torch.tensor([2]),
+                                           (1, "mma"): torch.tensor([7])})
+    assert mla.launch_counts("cuda:0") == {"mma": 2, "wgmma": 5}
+    assert mla.launch_count("cuda:0") == 7
+    assert mla.launch_counts("cuda:1") == {"mma": 7}
+    assert mla.launch_counts("cuda:2") == {} and mla.launch_count("cuda:2") == 0

@@ -323,6 +323,14 @@ def test_harness_logprob_pair(cs):
     assert "ids same" in table and "2.00e-02" in table
 
 
+def test_harness_table_names_the_mla_kernel_that_ran(cs):
+    servers = {"kimi-kdtree-graph": {"mla_launches": 12, "mla_kernels": ["wgmma"]},
+               "kimi-plain-graph": {"mla_kernels": []}}
+    table = cs.format_table({"servers": servers, "pairs": {}, "logprob_pairs": {}})
+    assert "fused MLA kernels that ran: kimi-kdtree-graph: wgmma" in table
+    assert "fused MLA kernels that ran: -" in cs.format_table({"servers": {}, "pairs": {}, "logprob_pairs": {}})
+
+
 def test_trace_records_first_call_per_op(tmp_path, monkeypatch):
     trace = tmp_path / "ops.txt"
     monkeypatch.setenv("KDTREE_STANDIN_TRACE", str(trace))

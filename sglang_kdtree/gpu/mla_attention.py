@@ -48,6 +48,7 @@ __all__ = [
     "ancestor_bits_from_parents",
     "synthetic_inputs",
     "launch_count",
+    "launch_counts",
     "prepare",
     "kernel_option",
     "resolve_kernel",
@@ -121,11 +122,17 @@ def resolve_kernel(kernel, device_index: int) -> str:
     return kernel
 
 
-@functools.cache
-def _launch_counter(device_index: int) -> torch.Tensor:
-    """``uint64 [1]`` (stored as int64) count of ``mla_tree_verify`` launches on a device; every launch adds one
-    on the device, so a launch recorded in a CUDA graph counts at each replay."""
-    return torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", device_index))
+_counters: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _launch_counter(device_index: int, kernel: str) -> torch.Tensor:
+    """``uint64 [1]`` (stored as int64) count of ``kernel``'s tree-verify launches on a device (one counter per
+    kernel, so the count also says which ran); every launch adds one on the device, so a launch recorded in a
+    CUDA graph counts at each replay. Created by ``prepare`` (or the first launch), never inside a capture."""
+    key = (device_index, kernel)
+    if key not in _counters:
+        _counters[key] = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", device_index))
+    return _counters[key]
 
 
 def prepare(device) -> None:
@@ -135,16 +142,24 @@ def prepare(device) -> None:
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     _kernels()
-    if resolve_kernel(None, index) == "wgmma":
+    kernel = resolve_kernel(None, index)
+    if kernel == "wgmma":
         _wgmma_kernels()
-    _launch_counter(index)
+    _launch_counter(index, kernel)
+
+
+def launch_counts(device=None) -> dict[str, int]:
+    """``{kernel: launches}`` of the fused tree-verify kernels on ``device`` (eagerly or in graph replays) in this
+    process, for each kernel prepared or launched there; syncs. The worker's round log records it, which is how a
+    CUDA server shows the kernel ran, and which one."""
+    index = torch.device(device).index if device is not None else None
+    index = torch.cuda.current_device() if index is None else index
+    return {k: int(t.item()) for (i, k), t in sorted(_counters.items()) if i == index}
 
 
 def launch_count(device=None) -> int:
-    """How many times the fused tree-verify kernel has run on ``device`` (eagerly or in graph replays) in this
-    process; syncs. The worker's round log records it, which is how a CUDA server shows the kernel ran."""
-    index = torch.device(device).index if device is not None else torch.cuda.current_device()
-    return int(_launch_counter(index if index is not None else torch.cuda.current_device()).item())
+    """All fused tree-verify launches on ``device`` in this process, both kernels together; syncs."""
+    return sum(launch_counts(device).values())
 
 
 @functools.cache
@@ -305,7 +320,7 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
         np.int32(width), np.int32(heads), np.int32(words), np.int32(num_splits),
         np.float32(sm_scale * math.log2(math.e)),
         ptr(out.data_ptr()), ptr(lse.data_ptr()), ptr(part_o_ptr), ptr(part_ml_ptr), np.int64(rows),
-        ptr(_launch_counter(device_index).data_ptr()),
+        ptr(_launch_counter(device_index, kernel).data_ptr()),
     )
     with runtime.current_stream():
         fn(grid, (_THREADS,), args, shared_mem=smem)

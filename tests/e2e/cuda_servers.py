@@ -373,6 +373,9 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
             graph_mla = [r["mla_launches"] for r in records if r.get("graph") and "mla_launches" in r]
             rec["mla_launches"] = max((r.get("mla_launches", 0) for r in records), default=0)
             rec["mla_launches_during_graph_rounds"] = graph_mla[-1] - graph_mla[0] if len(graph_mla) > 1 else 0
+            last_by_kernel = next((r["mla_launches_by_kernel"] for r in reversed(records)
+                                   if "mla_launches_by_kernel" in r), {})
+            rec["mla_kernels"] = sorted(k for k, n in last_by_kernel.items() if n > 0)
             rec["marlin_routed"] = max((r.get("marlin_routed", 0) for r in records), default=0)
             # process totals of the bookkeeping's own CUDA-graph replays (tree step; greedy accept + commit)
             rec["tree_graph_replays"] = max((r.get("tree_graph_replays", 0) for r in records), default=0)
@@ -416,6 +419,9 @@ def format_table(summary: dict) -> str:
                      f"{rec.get('mla_launches', 0):>6d} {rec.get('marlin_routed', 0):>6d}  {err_line}")
     ops = sorted({op for rec in summary["servers"].values() for op in rec.get("standin_ops_called", [])})
     lines.append(f"sgl_kernel stand-in ops called (any server): {', '.join(ops) or '-'}")
+    kernels = {name: rec["mla_kernels"] for name, rec in summary["servers"].items() if rec.get("mla_kernels")}
+    lines.append("fused MLA kernels that ran: "
+                 + (", ".join(f"{name}: {'+'.join(k)}" for name, k in kernels.items()) or "-"))
     for key, pair in summary["pairs"].items():
         verdict = {True: "IDENTICAL", False: "DIFFER", None: "NOT RUN"}[pair["identical"]]
         lines.append(f"kdtree vs plain {key:30s} {verdict}  {pair['mismatch'] or ''}"[:200])

@@ -170,15 +170,20 @@ def test_paged_addressing_matches_csr():
 
 def test_launch_counter_counts_eager_calls_and_graph_replays():
     """The counter the CUDA server's round log reports: +1 per eager launch and +1 per replay of a graph
-    that recorded one (split-K launches count once: the merge is not the fused kernel)."""
+    that recorded one (split-K launches count once: the merge is not the fused kernel), on the counter of the
+    kernel that ran."""
     from sglang_kdtree.gpu import mla_attention
 
     case = synthetic_inputs(2, 17, 8, [300, 40], seed=5)
     mla_attention.prepare(case["q"].device)
-    before = mla_attention.launch_count()
+    kernel = mla_attention.resolve_kernel(None, torch.cuda.current_device())
+    before, before_by = mla_attention.launch_count(), mla_attention.launch_counts()
     _run(case)
     _run(case, num_splits=3)
     assert mla_attention.launch_count() == before + 2
+    after_by = mla_attention.launch_counts()  # the per-kernel counter names the kernel that ran
+    assert after_by[kernel] == before_by.get(kernel, 0) + 2
+    assert all(n == before_by.get(k, 0) for k, n in after_by.items() if k != kernel)
     tokens, heads = case["q"].shape[:2]
     out = torch.empty((tokens, heads, 512), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((tokens, heads), dtype=torch.float32, device="cuda")

@@ -133,6 +133,9 @@ def test_kimi_fused_mla_and_marlin_ran(comparison, model, mode):
     rec = summary["servers"][spec]
     assert rec["error"] is None, rec["error"][-4000:]
     assert rec["mla_launches"] > 0, "the fused MLA tree-verify kernel never launched"
+    from sglang_kdtree.gpu.mla_attention import resolve_kernel
+
+    assert rec["mla_kernels"] == [resolve_kernel(None, 0)], "not the MLA kernel auto/$SGLANG_KDTREE_MLA_KERNEL picks"
     if MODES[mode]:
         assert rec["mla_launches_during_graph_rounds"] > 0, "no MLA launch inside the replayed verify graphs"
     if table[model].env.get("SGLANG_KDTREE_MOE") == "marlin":
