@@ -21,29 +21,12 @@
 // No system includes: NVRTC's default include path has no cuda_bf16.h / stdint.h everywhere; bf16 travels as
 // its 16-bit pattern (common.cuh: bf16_t, pack_bf16x2) and all tensor-core work is inline PTX.
 
-#include "common.cuh"
+#include "mla_common.cuh"
 
-#define D_QK 576          // absorbed query / key width: kv_lora_rank 512 + qk_rope 64
-#define D_V 512           // value width = the latent part of the key row
-#define ROW_TILE 64       // query rows per CTA
 #define KEY_TILE 32       // keys per pipeline stage
-#define THREADS 256
 #define LDS (D_QK + 8)    // smem row pitch in bf16: 1168 B = 73 x 16 B (odd), so ldmatrix rows hit distinct banks
 #define PLDS (KEY_TILE + 8)  // P tile pitch: 80 B = 5 x 16 B (odd), conflict-free ldmatrix as well
-#define LN2 0.69314718055994530942f
-#define NEG_INF __int_as_float(0xff800000u)  // -inf without math.h (NVRTC has no default libc headers)
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16-byte global->shared copy that bypasses L1 (keys are used once per CTA); src_bytes = 0 zero-fills the
-// destination, which is how rows past the end of a request / split are made harmless.
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
@@ -138,7 +121,7 @@ __device__ __forceinline__ void mla_tree_verify_body(
         if (valid) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
         const bf16_t* src = kv + slot * kv_stride;
         bf16_t* dst = k_s + (buf * KEY_TILE + r) * LDS;
-        for (int ch = tid & 7; ch < D_QK / 8; ch += 8) cp_async16(smem_addr(dst + ch * 8), src + ch * 8, valid);
+        for (int ch = tid & 7; ch < D_QK / 8; ch += 8) cp_async16(smem_u32(dst + ch * 8), src + ch * 8, valid);
     };
 
     float o[32][4];
@@ -152,21 +135,21 @@ __device__ __forceinline__ void mla_tree_verify_body(
             int r = c / (D_QK / 8), ch = c % (D_QK / 8);
             bool valid = row0 + r < rows_per_req;
             const bf16_t* src = q + (req_row0 + row0 + (valid ? r : 0)) * D_QK + ch * 8;
-            cp_async16(smem_addr(q_s + r * LDS + ch * 8), src, valid);
+            cp_async16(smem_u32(q_s + r * LDS + ch * 8), src, valid);
         }
         load_keys(0, k_lo);
     }
     cp_async_commit();
 
     // ldmatrix lane addresses (bytes). A (Q rows, row-major): lanes 0-15 rows 0-15 at k, 16-31 at k+8.
-    const unsigned q_addr = smem_addr(q_s + (16 * rgroup + (lane & 15)) * LDS + (lane >> 4) * 8);
+    const unsigned q_addr = smem_u32(q_s + (16 * rgroup + (lane & 15)) * LDS + (lane >> 4) * 8);
     // B for S (K rows = mma columns): two n-tiles of 8 keys x k16 per x4 load.
     const int kb_row = 16 * half + (lane & 7) + ((lane >> 4) << 3);
     const int kb_col = ((lane >> 3) & 1) * 8;
     // B for O (V, transposed load): keys along k, value columns along n.
     const int vb_row = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int vb_col = 256 * half + (lane >> 4) * 8;
-    const unsigned p_addr = smem_addr(p_s + (16 * rgroup + (lane & 15)) * PLDS + (lane >> 4) * 8);
+    const unsigned p_addr = smem_u32(p_s + (16 * rgroup + (lane & 15)) * PLDS + (lane >> 4) * 8);
 
     for (int blk = 0; blk < nblk; ++blk) {
         const int t0 = k_lo + blk * KEY_TILE;
@@ -178,7 +161,7 @@ __device__ __forceinline__ void mla_tree_verify_body(
 
         // ---- S = Q K^T: 16 rows x 16 keys per warp, depth 576 = 36 k-steps ----
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        const unsigned k_addr = smem_addr(kb + kb_row * LDS + kb_col);
+        const unsigned k_addr = smem_u32(kb + kb_row * LDS + kb_col);
 #pragma unroll 12
         for (int kk = 0; kk < D_QK / 16; ++kk) {
             unsigned a0, a1, a2, a3, b0, b1, b2, b3;
@@ -244,7 +227,7 @@ __device__ __forceinline__ void mla_tree_verify_body(
         pair_barrier(rgroup);  // the partner's half of P is in shared memory
 
         // ---- O += P V: 16 rows x 256 value columns per warp, 32 keys = 2 k-steps ----
-        const unsigned v_addr = smem_addr(kb + vb_row * LDS + vb_col);
+        const unsigned v_addr = smem_u32(kb + vb_row * LDS + vb_col);
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks) {
             unsigned a0, a1, a2, a3;
@@ -296,23 +279,8 @@ __device__ __forceinline__ void mla_tree_verify_body(
     }
 }
 
-#define MLA_TREE_VERIFY_ENTRY(NAME, INDEX)                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
-        const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long long kv_stride,                      \
-        const long long* __restrict__ kv_start, const long long* __restrict__ kv_end,                          \
-        const INDEX* __restrict__ kv_indices, const long long* __restrict__ tree_slots,                        \
-        const unsigned* __restrict__ anc_bits, int N, int H, int words, int num_splits, float scale_log2,      \
-        bf16_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o,                         \
-        float2* __restrict__ part_ml, long long total_rows, unsigned long long* __restrict__ launches) {       \
-        /* one count per launch (eager or CUDA-graph replay): the serving path's proof that it ran */         \
-        if (launches != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)  \
-            atomicAdd(launches, 1ULL);                                                                          \
-        mla_tree_verify_body<INDEX>(q, kv, kv_stride, kv_start, kv_end, kv_indices, tree_slots, anc_bits, N, H, \
-                                    words, num_splits, scale_log2, out, lse, part_o, part_ml, total_rows);     \
-    }
-
-MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i64, long long)  // SGLang's triton kv_indices (int64)
-MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i32, int)        // req_to_token rows (int32), the fa3 path
+MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i64, long long, mla_tree_verify_body)
+MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i32, int, mla_tree_verify_body)
 
 // Combine split-K partial softmax states: O = sum_s 2^(m_s - m) O_s / sum_s 2^(m_s - m) l_s.
 // One CTA of 128 threads per query row, 4 value columns per thread.

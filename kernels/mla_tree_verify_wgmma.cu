@@ -20,34 +20,21 @@
 //
 // No system includes (NVRTC); inline PTX throughout. Compiled for sm_90a only (gpu/runtime.load_module_arch).
 
-#include "common.cuh"
+#include "mla_common.cuh"
 
-#define D_QK 576
-#define D_V 512
-#define ROW_TILE 64
 #define KEY_TILE 64
-#define THREADS 256
 #define CHUNKS (D_QK / 8)                      // 16-byte chunks per 576-wide row
 #define BLK_BYTES (64 * 128)                   // one 64-column block of a 64-row tile
 #define TILE_BYTES ((D_QK / 64) * BLK_BYTES)   // a 64 x 576 bf16 tile
 #define K_OFF TILE_BYTES                       // two key tiles after Q
 #define P_OFF (3 * TILE_BYTES)
 #define ROWF_OFF (P_OFF + BLK_BYTES)
-#define LN2 0.69314718055994530942f
-#define NEG_INF __int_as_float(0xff800000u)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Byte offset of 16-byte chunk `chunk` (0..71) of row `row` (0..63) inside a swizzled tile.
 __device__ __forceinline__ u32 swz(int row, int chunk) {
     return (u32)((chunk >> 3) * BLK_BYTES + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;  // 0: zero-fill (rows past a request or a split)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Generic-proxy shared-memory writes (cp.async, st.shared) made visible to wgmma's async proxy; each writing thread
 // runs it before the barrier that precedes the wgmma.
@@ -371,21 +358,5 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
     }
 }
 
-#define MLA_TREE_VERIFY_WGMMA_ENTRY(NAME, INDEX)                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
-        const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long long kv_stride,                      \
-        const long long* __restrict__ kv_start, const long long* __restrict__ kv_end,                          \
-        const INDEX* __restrict__ kv_indices, const long long* __restrict__ tree_slots,                        \
-        const unsigned* __restrict__ anc_bits, int N, int H, int words, int num_splits, float scale_log2,      \
-        bf16_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_o,                         \
-        float2* __restrict__ part_ml, long long total_rows, unsigned long long* __restrict__ launches) {       \
-        /* one count per launch (eager or CUDA-graph replay), as mla_tree_verify.cu */                         \
-        if (launches != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)  \
-            atomicAdd(launches, 1ULL);                                                                          \
-        mla_tree_verify_wgmma_body<INDEX>(q, kv, kv_stride, kv_start, kv_end, kv_indices, tree_slots, anc_bits, \
-                                          N, H, words, num_splits, scale_log2, out, lse, part_o, part_ml,       \
-                                          total_rows);                                                          \
-    }
-
-MLA_TREE_VERIFY_WGMMA_ENTRY(mla_tree_verify_wgmma_i64, long long)  // SGLang's triton kv_indices (int64)
-MLA_TREE_VERIFY_WGMMA_ENTRY(mla_tree_verify_wgmma_i32, int)        // req_to_token rows (int32)
+MLA_TREE_VERIFY_ENTRY(mla_tree_verify_wgmma_i64, long long, mla_tree_verify_wgmma_body)
+MLA_TREE_VERIFY_ENTRY(mla_tree_verify_wgmma_i32, int, mla_tree_verify_wgmma_body)
