@@ -22,6 +22,28 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// The keys CTA (b, split) reads: request b's prefix (kv_start[b] .. kv_end[b] in kv_indices) then its N tree keys,
+// cut into num_splits ranges of whole key_tile tiles; [k_lo, k_hi) is this split's range, nblk its tiles.
+struct KeySplit {
+    long long kv_begin;
+    int prefix, k_lo, k_hi, nblk;
+};
+template <int key_tile>
+__device__ __forceinline__ KeySplit key_split(const long long* __restrict__ kv_start,
+                                              const long long* __restrict__ kv_end, int b, int split, int num_splits,
+                                              int N) {
+    KeySplit s;
+    s.kv_begin = kv_start[b];
+    s.prefix = (int)(kv_end[b] - s.kv_begin);
+    const int total = s.prefix + N;
+    int per = (total + num_splits - 1) / num_splits;
+    per = (per + key_tile - 1) / key_tile * key_tile;
+    s.k_lo = min(total, split * per);
+    s.k_hi = min(total, s.k_lo + per);
+    s.nblk = (s.k_hi - s.k_lo + key_tile - 1) / key_tile;
+    return s;
+}
+
 // extern "C" entry NAME for index type INDEX (int64: SGLang's triton kv_indices; int32: req_to_token rows, the
 // fa3 path) around BODY<INDEX>, a __device__ template taking the same arguments less `launches`. Both kernels'
 // launchers (gpu/mla_attention.py) pass the same arguments. One count per launch, eager or CUDA-graph replay:

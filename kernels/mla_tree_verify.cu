@@ -89,14 +89,9 @@ __device__ __forceinline__ void mla_tree_verify_body(
     const int row0 = blockIdx.x * ROW_TILE;
     const long long req_row0 = (long long)b * rows_per_req;
 
-    const long long kv_begin = kv_start[b];
-    const int prefix = (int)(kv_end[b] - kv_begin);
-    const int total = prefix + N;
-    int per = (total + num_splits - 1) / num_splits;
-    per = (per + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-    const int k_lo = min(total, split * per);
-    const int k_hi = min(total, k_lo + per);
-    const int nblk = (k_hi - k_lo + KEY_TILE - 1) / KEY_TILE;
+    const KeySplit ks = key_split<KEY_TILE>(kv_start, kv_end, b, split, num_splits, N);
+    const long long kv_begin = ks.kv_begin;
+    const int prefix = ks.prefix, k_lo = ks.k_lo, k_hi = ks.k_hi, nblk = ks.nblk;
 
     // The two query rows this thread holds in mma C fragments: g and g + 8 of its row group.
     const int g = lane >> 2, quad = lane & 3;
