@@ -159,6 +159,15 @@ def validate_server_args(server_args) -> None:
             "the host); add --disable-overlap-schedule"
         )
 
+    mode = getattr(sa, "return_hidden_states_mode", None)
+    if getattr(sa, "enable_return_hidden_states", False) or mode is not None:
+        # Without this, a request with return_hidden_states gets an empty list from the KDTREE server (the plain
+        # server returns one row per token): the tree round does not collect the committed tokens' hidden states.
+        raise ValueError(
+            f"KDTREE: returning hidden states is not supported (--enable-return-hidden-states / "
+            f"--return-hidden-states-mode {mode or 'full'}): the tree round does not collect them, so requests with "
+            "return_hidden_states would get none; drop the flag"
+        )
     for field, flag, off, why in _UNSERVED_SPEC_FLAGS:
         value = getattr(sa, field, off)
         if value is not None and value != off:

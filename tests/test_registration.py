@@ -139,6 +139,9 @@ def test_valid_configuration_resolves(model_dir):
         (["--speculative-use-rejection-sampling"], r"--speculative-use-rejection-sampling True is not supported"),
         (["--speculative-token-map", "/tmp/map.pt"], r"--speculative-token-map /tmp/map.pt is not supported"),
         (["--speculative-draft-window-size", "512"], r"--speculative-draft-window-size 512 is not supported.*window"),
+        (["--enable-return-hidden-states"], r"hidden states is not supported \(--enable-return-hidden-states.*drop the flag"),
+        (["--return-hidden-states-mode", "last"], r"--return-hidden-states-mode last\).*drop the flag"),
+        (["--return-hidden-states-mode", "full"], r"--return-hidden-states-mode full\).*drop the flag"),
     ],
 )
 def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
