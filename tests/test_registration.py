@@ -200,3 +200,16 @@ def test_flashinfer_is_refused_for_mla_but_allowed_for_mha(model_dir, mla_model_
     with pytest.raises(ValueError, match=r"flashinfer on an MLA model .* use --attention-backend fa3"):
         resolve(mla_model_dir, "--attention-backend", "flashinfer", device="cuda")
     assert resolve(model_dir, "--attention-backend", "flashinfer", device="cuda").attention_backend == "flashinfer"
+
+
+def test_lora_is_refused_at_startup_by_sglang(model_dir):
+    """KDTREE does not serve LoRA adapters; SGLang's own startup check refuses the combination (the README's flag
+    table relies on it): if a later SGLang lets it through, this fails and the plugin must refuse it itself."""
+    sa = prepare_server_args(
+        ["--model-path", model_dir, "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", model_dir,
+         "--device", "cpu", "--disable-overlap-schedule", "--enable-lora", "--max-lora-rank", "8",
+         "--lora-target-modules", "q_proj"]
+    )
+    sa.resolve_once()
+    with pytest.raises(ValueError, match="LoRA is only compatible with .* not KDTREE"):
+        sa.check_server_args()
