@@ -142,6 +142,8 @@ def test_valid_configuration_resolves(model_dir):
         (["--enable-return-hidden-states"], r"hidden states is not supported \(--enable-return-hidden-states.*drop the flag"),
         (["--return-hidden-states-mode", "last"], r"--return-hidden-states-mode last\).*drop the flag"),
         (["--return-hidden-states-mode", "full"], r"--return-hidden-states-mode full\).*drop the flag"),
+        (["--enable-return-routed-experts"], r"--enable-return-routed-experts True is not supported.*KV slot"),
+        (["--enable-return-indexer-topk"], r"--enable-return-indexer-topk True is not supported.*KV slot"),
     ],
 )
 def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
