@@ -13,7 +13,8 @@ ancestor rows. A call is routed to it only when every condition holds; anything 
 * ``forward_batch.forward_mode.is_target_verify()`` and the batch's speculative algorithm is named ``KDTREE``;
 * the verify input carries ``ancestor_bits`` (``[bs, N, ceil(N/32)]`` uint32 CUDA tensor, the layout of
   ``sglang_kdtree.reference.verify_inputs``): the contract with the KDTREE worker;
-* absorbed MLA with one latent head (q/k width 576, v width 512), a bf16 pool without k/v scales, no sinks,
+* absorbed MLA with one latent head (q/k width 576, v width 512), a bf16 pool (``token_to_kv_pool.dtype``; an
+  fp8 / fp4 ``--kv-cache-dtype`` keeps SGLang's path) without k/v scales, no sinks,
   ``score_mod``, logit cap, sliding window, DCP or context parallelism;
 * fa3 only: page size 1 (its page table then lists token slots).
 
@@ -63,6 +64,13 @@ def _layer_is_plain_absorbed_mla(layer) -> bool:
     )
 
 
+def _bf16_pool(backend) -> bool:
+    """The kernels read bf16 latent rows; an fp8 / fp4 pool (``--kv-cache-dtype``) stays on SGLang's path."""
+    import torch
+
+    return getattr(getattr(backend, "token_to_kv_pool", None), "dtype", None) == torch.bfloat16
+
+
 def _no_extras(kwargs) -> bool:
     return all(kwargs.get(name) is None for name in ("sinks", "score_mod", "aux_tensors", "rel_bias"))
 
@@ -74,6 +82,7 @@ def triton_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv
         bits is None
         or args  # sinks / score_mod passed positionally: not ours
         or not getattr(self, "use_mla", False)
+        or not _bf16_pool(self)
         or getattr(self, "dcp_size", 1) != 1
         or k is None
         or v is None
@@ -112,6 +121,7 @@ def fa3_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_ca
         bits is None
         or args  # sinks and later passed positionally: not ours
         or not getattr(self, "use_mla", False)
+        or not _bf16_pool(self)
         or getattr(self, "page_size", 1) != 1
         or getattr(self, "fa_skip_kv_cache", False)
         or kwargs.get("return_lse", False)

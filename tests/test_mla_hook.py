@@ -47,8 +47,9 @@ def _layer(**over):
 
 
 class _Pool:
-    def __init__(self):
+    def __init__(self, dtype=torch.bfloat16):
         self.writes = []
+        self.dtype = dtype  # the KV cache dtype (SGLang's KVCache.dtype)
 
     def get_key_buffer(self, layer_id):
         return "kv-buffer"
@@ -57,8 +58,8 @@ class _Pool:
         self.writes.append(("mla", k, k_rope))
 
 
-def _backend(**over):
-    pool = _Pool()
+def _backend(pool_dtype=torch.bfloat16, **over):
+    pool = _Pool(pool_dtype)
     fields = dict(use_mla=True, dcp_size=1, page_size=1, fa_skip_kv_cache=False, token_to_kv_pool=pool,
                   req_to_token="req-to-token",
                   forward_metadata=SimpleNamespace(kv_indptr="indptr", kv_indices="indices", swa_out_cache_loc=None))
@@ -185,6 +186,8 @@ def test_triton_routes_kdtree_verify_to_kernel(calls):
         ({}, dict(sliding_window_size=128), {}),
         ({}, {}, dict(use_mla=False)),
         ({}, {}, dict(dcp_size=2)),
+        ({}, {}, dict(pool_dtype=torch.float8_e4m3fn)),  # --kv-cache-dtype fp8_e4m3: the kernels read bf16 only
+        ({}, {}, dict(pool_dtype=torch.float16)),
     ],
 )
 def test_triton_falls_back_for_everything_else(calls, batch_kw, layer_kw, backend_kw):
@@ -221,6 +224,7 @@ def test_fa3_routes_kdtree_verify_with_split_query(calls):
         (dict(bits=False), {}, {}),
         ({}, dict(page_size=16), {}),
         ({}, dict(use_mla=False), {}),
+        ({}, dict(pool_dtype=torch.float8_e4m3fn), {}),
         ({}, {}, dict(return_lse=True)),
     ],
 )
