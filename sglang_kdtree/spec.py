@@ -58,16 +58,23 @@ _UNSERVED_SPEC_FLAGS = (
     ("speculative_draft_sink_size", "--speculative-draft-sink-size", None,
      "the tree round's draft block reads the whole draft KV cache, not DFLASH's compact sliding window"),
 )
-#: The same for per-token state SGLang captures by KV slot during the target's forward and returns with each
-#: response: KDTREE's commit moves the accepted tree rows' KV to the committed slots and not the captured state,
-#: so a response would carry the state of the wrong tree nodes.
-_UNSERVED_CAPTURE_FLAGS = (
+#: The same for server features KDTREE's round would silently not honour. Per-token state SGLang captures by KV slot
+#: during the target's forward and returns with each response: KDTREE's commit moves the accepted tree rows' KV to
+#: the committed slots and not the captured state, so a response would carry the state of the wrong tree nodes.
+#: Sampling features SGLang's sampler applies and the tree accept does not.
+_UNSERVED_SERVER_FLAGS = (
     ("enable_return_routed_experts", "--enable-return-routed-experts", False,
      "the routing is captured per KV slot of the verify forward, and the commit does not move it with the "
      "accepted rows"),
     ("enable_return_indexer_topk", "--enable-return-indexer-topk", False,
      "the indexer's top-k is captured per KV slot of the verify forward, and the commit does not move it with the "
      "accepted rows"),
+    ("enable_watermark", "--enable-watermark", False,
+     "SGLang's sampler applies the watermark; the tree accept draws each node from the target's distribution "
+     "without it, so responses would carry no watermark"),
+    ("enable_strict_thinking", "--enable-strict-thinking", False,
+     "SGLang enforces it with a grammar token filter in its sampler, which the tree accept does not apply (as for "
+     "grammar requests)"),
 )
 
 #: Whether the worker keeps the decode path free of host syncs, so SGLang's overlap scheduler may run it.
@@ -179,7 +186,7 @@ def validate_server_args(server_args) -> None:
             f"--return-hidden-states-mode {mode or 'full'}): the tree round does not collect them, so requests with "
             "return_hidden_states would get none; drop the flag"
         )
-    for field, flag, off, why in _UNSERVED_SPEC_FLAGS + _UNSERVED_CAPTURE_FLAGS:
+    for field, flag, off, why in _UNSERVED_SPEC_FLAGS + _UNSERVED_SERVER_FLAGS:
         value = getattr(sa, field, off)
         if value is not None and value != off:
             raise ValueError(f"KDTREE: {flag} {value} is not supported ({why}); drop {flag}")
