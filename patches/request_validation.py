@@ -6,8 +6,9 @@ DFLASH-family algorithm; a returned message aborts just that request with it).
 
 Why: the tree round has no grammar-constrained walk and, at T > 0, samples from ``softmax(logits / T)``
 filtered by top-k, top-p and min-p only (logprobs are served: ``sglang_kdtree/spec_logprobs.py``). Without
-this check such a request would reach the worker, whose ``ValueError`` would stop the scheduler for every
-request, or be served a different distribution than it asked for. Under KDTREE a request is aborted at
+this check a grammar request would reach the worker, which can only end its whole decode batch
+(``round_faults.ended_grammar_batch``), and the others would be served a different distribution than they asked
+for. Under KDTREE a request is aborted at
 admission with a message naming the field when it asks for
 
 * a grammar (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``);

@@ -26,6 +26,10 @@ with ``FINISH_ABORT`` naming the fault (HTTP 500); the rest of the batch goes on
    an abort, not a stop), ``new_seq_lens = seq_lens + 1``, and for ``return_logprob`` batches logprob fields of
    the shapes ``_apply_decode_logprobs`` reads, holding float32's lowest value (nothing was computed).
 
+**A grammar in a decode batch** (``ended_grammar_batch``): admission and startup refuse every known source, so this
+is a last guard. The batch is ended like an allocation failure's (3. above): HTTP 400 for the requests that carry a
+grammar, 503 for the others; the scheduler and other batches go on.
+
 Not contained: an allocation failure at tensor parallelism > 1 (the other ranks are inside the round's
 collectives and cannot retry with it; the exception propagates as before), an allocation failure that a
 library reports as another error (e.g. a cuBLAS ``CUBLAS_STATUS_ALLOC_FAILED`` RuntimeError), and one in the
@@ -64,6 +68,12 @@ ROUND_OOM_FAULTS = {"round_oom": (0,), "round_oom_twice": (0, 1)}
 #: The HTTP status and error type of a request ended by an allocation failure of its round.
 ABORT_STATUS = HTTPStatus.SERVICE_UNAVAILABLE
 ABORT_ERR_TYPE = "ServiceUnavailableError"
+
+#: A decode batch holding a grammar (``ended_grammar_batch``): what its requests with one, and the others, are told.
+GRAMMAR_MESSAGE = ("KDTREE speculative decoding does not support grammar-constrained decoding (this request carries "
+                   "a grammar); the request was ended, the server continues")
+GRAMMAR_BATCH_MESSAGE = ("KDTREE round ended its batch because another request in it carries a grammar, which KDTREE "
+                         "does not support; retry the request")
 
 #: The logprob reported for the placeholder token of an ended request (nothing was computed for it).
 PLACEHOLDER_LOGPROB = torch.finfo(torch.float32).min
@@ -317,18 +327,43 @@ def contained_round(worker, batch, on_publish):
 def ended_round_result(worker, batch, error: str, on_publish=None):
     """End every request of ``batch`` after its round failed twice to allocate memory; the result commits
     one placeholder token per request (``placeholder_tokens``, ``abort_round_outputs``)."""
+    message = abort_message(error)
+    logger.error("%s (batch of %d: rids %s)", message, len(batch.reqs), [req.rid for req in batch.reqs])
+    return _end_batch(worker, batch, lambda req: (message, ABORT_STATUS, ABORT_ERR_TYPE), on_publish)
+
+
+def ended_grammar_batch(worker, batch, on_publish=None):
+    """End a decode batch that holds a grammar, instead of raising in the scheduler (which would stop the server).
+
+    Admission refuses grammar requests (``patches/request_validation.py``) and startup refuses
+    ``--enable-strict-thinking``, so reaching this means some other path attached a grammar. The tree accept cannot
+    apply one, and the round's buffers are per batch: each request with a grammar ends with HTTP 400 naming the
+    cause, each other request of the batch with HTTP 503 (retry); other batches go on."""
+    logger.error("KDTREE round: a decode batch holds a grammar (rids %s); ending the batch",
+                 [req.rid for req in batch.reqs if getattr(req, "grammar", None) is not None])
+
+    def finish(req):
+        if getattr(req, "grammar", None) is not None:
+            return GRAMMAR_MESSAGE, HTTPStatus.BAD_REQUEST, "BadRequestError"
+        return GRAMMAR_BATCH_MESSAGE, ABORT_STATUS, ABORT_ERR_TYPE
+
+    return _end_batch(worker, batch, finish, on_publish)
+
+
+def _end_batch(worker, batch, finish, on_publish=None):
+    """End every request of ``batch`` with ``FINISH_ABORT(*finish(req))`` and return the result SGLang's result
+    processing accepts for a round that verified nothing: one placeholder token per request."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-    message = abort_message(error)
     for req in batch.reqs:
         if req.to_finish is None:
-            req.to_finish = FINISH_ABORT(message, status_code=ABORT_STATUS, err_type=ABORT_ERR_TYPE)
+            message, status, err_type = finish(req)
+            req.to_finish = FINISH_ABORT(message, status_code=status, err_type=err_type)
         # the scheduler counts position P (the bonus token) as committed after this round, but its KV was never
         # computed: the request must not be checkpointed into the radix cache for later requests to reuse
         req.skip_radix_cache_insert = True
-    logger.error("%s (batch of %d: rids %s)", message, len(batch.reqs), [req.rid for req in batch.reqs])
     model_eos = getattr(worker.target_worker.model_runner.model_config, "hf_eos_token_id", None)
     width = worker.verify_width
     next_token_ids, accept_lens, new_seq_lens = abort_round_outputs(

@@ -175,8 +175,8 @@ class KDTreeWorker(DFlashWorkerV2):
             if not seeded.has_seeded_sampling(batch):
                 return prefill()
             return seeded.prefill_with_seeded_tokens(self, batch, prefill)
-        if batch.has_grammar:
-            raise ValueError("KDTREE does not support grammar-constrained decoding yet; drop the grammar")
+        if batch.has_grammar:  # refused at admission and startup; if one gets here, end its batch, not the server
+            return round_faults.ended_grammar_batch(self, batch, on_publish)
         return round_faults.contained_round(self, batch, on_publish)
 
     # ------------------------------------------------------------------------------------------------

@@ -371,3 +371,23 @@ def test_a_round_oom_under_tensor_parallelism_propagates(tmp_path, monkeypatch):
     worker, batch = _FakeRoundWorker(None, fail_times=1), _oom_batch(["a"])
     with pytest.raises(MemoryError):
         worker._contained_round(batch, None)
+
+
+def test_a_decode_batch_with_a_grammar_is_ended_not_raised(single_rank):
+    """The last guard behind admission's grammar refusal: the batch ends (400 for the request with a grammar, 503
+    for the others) with the placeholder result, and the worker returns it instead of raising in the scheduler."""
+    from sglang_kdtree import worker as worker_mod
+
+    worker, batch = _FakeRoundWorker(None), _oom_batch(["plain-0", "grammar-1"])
+    for req in batch.reqs:
+        req.grammar = object() if req.rid.startswith("grammar") else None
+    batch.has_grammar = True
+    batch.is_extend_in_batch = False
+    batch.forward_mode = types.SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)
+    result = worker_mod.KDTreeWorker.forward_batch_generation(worker, batch)
+    plain, grammar = (req.to_finish for req in batch.reqs)
+    assert grammar.status_code == 400 and grammar.message == round_faults.GRAMMAR_MESSAGE
+    assert plain.status_code == 503 and plain.message == round_faults.GRAMMAR_BATCH_MESSAGE
+    assert all(req.skip_radix_cache_insert for req in batch.reqs)
+    assert result.accept_lens.tolist() == [1, 1] and result.new_seq_lens.tolist() == [4, 5]
+    assert worker.calls == []  # no round ran
