@@ -16,6 +16,7 @@ admission with a message naming the field when it asks for
   tree accept does not: ``frequency_penalty`` / ``presence_penalty`` other than 0, ``repetition_penalty``
   other than 1, ``min_new_tokens`` > 0 (these are SGLang's penalizers), a ``logit_bias``, a custom logit
   processor;
+* ``return_sampling_mask`` (SGLang's sampler records the mask; the tree accept does not run it);
 * an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
 
 Temperature, top-k, top-p and min-p are served: at T > 0 the tree accept applies them at every node as SGLang's
@@ -66,6 +67,10 @@ def kdtree_request_error(req, vocab_size: int | None = None) -> str | None:
     error = _sampling_error(req, params)
     if error is not None:
         return error
+    if getattr(req, "return_sampling_mask", False):
+        # SGLang's DFLASH path answers it with an internal error (HTTP 500, greedy) or its own DFLASH message
+        return ("KDTREE speculative decoding does not return sampling masks yet (the tree accept does not run "
+                "SGLang's sampler): drop return_sampling_mask")
     ids = getattr(req, "origin_input_ids", None)
     if vocab_size is not None and ids is not None and len(ids):
         low, high = min(ids), max(ids)

@@ -291,6 +291,22 @@ def test_kdtree_refuses_custom_logit_processors(monkeypatch):
     assert "custom_logit_processor" in patch.validate_dflash_request(original, req, False)
 
 
+def test_kdtree_refuses_return_sampling_mask(monkeypatch):
+    """Without the refusal the CPU server answered a greedy request with an internal error (HTTP 500, "The sampling
+    backend did not return captured sampling support.")."""
+    from sglang_kdtree import state
+    from sglang_kdtree.patches import request_validation as patch
+
+    original = lambda req, enable_overlap: "original"  # noqa: E731
+    monkeypatch.setattr(state, "_active", state.Geometry(budget=64, block_size=8, vocab_size=100))
+    for temperature in (0, 0.8):
+        req = _sampled_req(temperature=temperature)
+        req.return_sampling_mask = True
+        assert "drop return_sampling_mask" in patch.validate_dflash_request(original, req, False)
+        req.return_sampling_mask = False
+        assert patch.validate_dflash_request(original, req, False) == "original"
+
+
 @pytest.mark.parametrize("ids, bad", [([0, 99], None), ([5, 100], 100), ([-1, 3], -1), ([], None)])
 def test_kdtree_refuses_token_ids_outside_the_vocabulary(monkeypatch, ids, bad):
     from sglang_kdtree import state
