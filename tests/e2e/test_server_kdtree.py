@@ -232,6 +232,14 @@ def _generate_or_error(server, payload) -> dict:
         return {"http_status": exc.code, "error": exc.read().decode(errors="replace")}
 
 
+def test_return_sampling_mask_is_refused_with_a_message(kdtree_server, greedy_results):
+    """Refused at admission (HTTP 400 naming the field; SGLang's own path answered a greedy one with HTTP 500),
+    and the server serves the next request exactly."""
+    refused = _generate_or_error(kdtree_server, {**_greedy(PROMPTS[0]), "return_sampling_mask": True})
+    assert refused.get("http_status") == 400 and "drop return_sampling_mask" in refused["error"], refused
+    assert kdtree_server.generate(_greedy(PROMPTS[0]))["output_ids"] == greedy_results[0][0]["output_ids"]
+
+
 @pytest.mark.parametrize("fault", ["draft_nan", "target_nan"])
 def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_results, fault):
     """NaN forced (``KDTREE_TEST_FAULTS``) into one request's draft or target verify logits while it shares
