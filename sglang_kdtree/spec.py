@@ -72,6 +72,8 @@ _UNSERVED_SERVER_FLAGS = (
     ("enable_watermark", "--enable-watermark", False,
      "SGLang's sampler applies the watermark; the tree accept draws each node from the target's distribution "
      "without it, so responses would carry no watermark"),
+    ("enable_mixed_chunk", "--enable-mixed-chunk", False,
+     "a round verifies decode requests only; SGLang's own later check refuses it for KDTREE with an assertion"),
     ("enable_strict_thinking", "--enable-strict-thinking", False,
      "SGLang enforces it with a grammar token filter in its sampler, which the tree accept does not apply (as for "
      "grammar requests)"),

@@ -144,6 +144,7 @@ def test_valid_configuration_resolves(model_dir):
         (["--return-hidden-states-mode", "full"], r"--return-hidden-states-mode full\).*drop the flag"),
         (["--enable-return-routed-experts"], r"--enable-return-routed-experts True is not supported.*KV slot"),
         (["--enable-return-indexer-topk"], r"--enable-return-indexer-topk True is not supported.*KV slot"),
+        (["--enable-mixed-chunk"], r"--enable-mixed-chunk True is not supported.*drop --enable-mixed-chunk"),
         (["--enable-watermark"], r"--enable-watermark True is not supported.*no watermark.*drop --enable-watermark"),
         (["--enable-strict-thinking"], r"--enable-strict-thinking True is not supported.*token filter"),
     ],
