@@ -17,6 +17,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "torch_native_verify",
     "torch_native_mla",
     "decode_reserve",
+    "req_to_token_headroom",
     "cpu_draft_backend",
     "input_embeds_dtype",
     "verify_graph_spec_info",

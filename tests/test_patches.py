@@ -11,8 +11,8 @@ import pytest
 
 from sglang_kdtree import patches
 
-ALWAYS_HOOKED = ("torch_native_verify", "decode_reserve", "cpu_draft_backend", "input_embeds_dtype",
-                 "verify_graph_spec_info", "request_validation")
+ALWAYS_HOOKED = ("torch_native_verify", "decode_reserve", "req_to_token_headroom", "cpu_draft_backend",
+                 "input_embeds_dtype", "verify_graph_spec_info", "request_validation")
 MODULES = [importlib.import_module(f"sglang_kdtree.patches.{name}") for name in patches.PATCH_MODULES]
 
 
@@ -319,3 +319,21 @@ def test_kdtree_refuses_token_ids_outside_the_vocabulary(monkeypatch, ids, bad):
         assert result == "original"
     else:
         assert f"input token id {bad} is outside the model's vocabulary [0, 100)" in result
+
+
+def test_req_to_token_headroom_covers_the_kdtree_reservation(monkeypatch):
+    """Under KDTREE a req_to_token row gets at least 4 + 2 * max(M, 32) slots past the context length (the decode
+    reservation is twice the larger of the verify width and the drafter block); other algorithms keep SGLang's."""
+    import sglang.srt.runtime_context as runtime_context
+
+    from sglang_kdtree.patches import req_to_token_headroom as patch
+
+    sglang_extra = lambda: 4 + 65  # noqa: E731  (SGLang's own: 4 + max_speculative_num_draft_tokens)
+    monkeypatch.setattr(runtime_context, "max_speculative_num_draft_tokens", lambda: 65)
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: type("S", (), {"speculative_algorithm": "KDTREE"})())
+    assert patch.get_req_to_token_extra_context_len(sglang_extra) == 4 + 2 * 65
+    monkeypatch.setattr(runtime_context, "max_speculative_num_draft_tokens", lambda: 3)  # budget 2, block up to 32
+    assert patch.get_req_to_token_extra_context_len(lambda: 7) == 4 + 2 * 32
+    assert patch.get_req_to_token_extra_context_len(lambda: 500) == 500  # never narrower than SGLang's
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: type("S", (), {"speculative_algorithm": "DFLASH"})())
+    assert patch.get_req_to_token_extra_context_len(sglang_extra) == 69

@@ -232,6 +232,21 @@ def _generate_or_error(server, payload) -> dict:
         return {"http_status": exc.code, "error": exc.read().decode(errors="replace")}
 
 
+def test_a_request_up_to_the_context_length_is_exact(plain_server, kdtree_server, tiny_models):
+    """A prompt 24 tokens short of the tiny models' 1,024-token context, run to the end: each decode round maps its
+    reservation past the committed length into the request's req_to_token row, which must be wide enough
+    (``patches/req_to_token_headroom.py``; without it the KDTREE server's scheduler died here). Greedy output equals
+    the plain server's, and the server serves the next request."""
+    config = json.loads((tiny_models / kdtree_server.model_name / "config.json").read_text())
+    context = config["max_position_embeddings"]
+    prompt = [random.Random(3).randrange(tiny.NUM_WORDS) for _ in range(context - 24)]
+    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 22, "temperature": 0, "ignore_eos": True}}
+    plain, spec = plain_server.generate(payload), kdtree_server.generate(payload)
+    assert spec["output_ids"] == plain["output_ids"] and len(spec["output_ids"]) == 22
+    assert kdtree_server.generate(_greedy(PROMPTS[0]))["output_ids"] == plain_server.generate(_greedy(PROMPTS[0]))[
+        "output_ids"]
+
+
 def test_return_sampling_mask_is_refused_with_a_message(kdtree_server, greedy_results):
     """Refused at admission (HTTP 400 naming the field; SGLang's own path answered a greedy one with HTTP 500),
     and the server serves the next request exactly."""
