@@ -11,8 +11,8 @@ import importlib.resources
 from pathlib import Path
 
 __all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
-           "load_module_arch", "ARCH_SPECIFIC", "device_capability", "arch_runs_here", "as_cupy", "current_stream", "require_cuda",
-           "device_ptr"]
+           "load_module_arch", "ARCH_SPECIFIC", "device_capability", "arch_runs_here", "as_cupy", "current_stream",
+           "require_cuda", "device_ptr"]
 
 #: kernels built for an architecture-specific target (``load_module_arch``), by source name; every other kernel
 #: compiles for the device's own compute capability (``load_module``)
