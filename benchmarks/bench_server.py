@@ -12,7 +12,11 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   log (its tokens/s);
 * ``kdtree-nomla``: KDTREE with ``SGLANG_KDTREE_MLA=off`` (SGLang's MLA verify attention instead of the fused
   kernel); it and ``kdtree-log`` dump their first rounds' verify logits (``KDTREE_DUMP_VERIFY``), compared
-  after the run (``compare_dumps``);
+  after the run (``compare_dumps``). Two servers: their trees and MoE reductions may differ, so a row whose
+  routing flips between them differs by more than the attention does;
+* ``kdtree-check``: KDTREE with ``SGLANG_KDTREE_MLA=check`` (the fused kernel's output is used, and SGLang's MLA path
+  runs beside it on every routed call, same inputs) and a round log: the largest |fused - SGLang| over every layer
+  of every verify forward, eager and in graph replays, relative to the largest |SGLang output| (``mla_check``);
 * ``kdtree-log``: the same with ``KDTREE_ROUND_LOG`` (CUDA events per phase and one extra host read per
   round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
   verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
@@ -90,6 +94,11 @@ def start(variant, kinds, budget: int, out: Path) -> dict:
             round_log.unlink(missing_ok=True)
             env["KDTREE_ROUND_LOG"] = str(round_log)
             env["KDTREE_DUMP_VERIFY"] = str(out / "dump-fused")
+        elif kind == "kdtree-check":  # both MLA paths on the same calls: their attention outputs compared
+            round_log = out / "rounds-kdtree-check.jsonl"
+            round_log.unlink(missing_ok=True)
+            env["KDTREE_ROUND_LOG"] = str(round_log)
+            env["SGLANG_KDTREE_MLA"] = "check"
         elif kind == "kdtree-nomla":  # SGLang's MLA verify path: A/B of the verify logits and of tokens/s
             env["SGLANG_KDTREE_MLA"] = "off"
             env["KDTREE_DUMP_VERIFY"] = str(out / "dump-sglang")
@@ -230,6 +239,26 @@ def compare_dumps(out: Path) -> list[dict]:
     return rows
 
 
+def mla_check(server) -> dict | None:
+    """The ``kdtree-check`` server's last ``mla_check`` record (its figures cover the whole run), with the number
+    of rounds whose verify forward replayed a graph, or None when that server did not run or logged none."""
+    if server is None or server.round_log is None or not server.round_log.exists():
+        return None
+    records = [json.loads(x) for x in server.round_log.read_text().splitlines() if x.strip()]
+    checked = [r for r in records if "mla_check" in r]
+    if not checked:
+        return None
+    return dict(checked[-1]["mla_check"], rounds=len(records), graph_rounds=sum(bool(r.get("graph")) for r in records))
+
+
+def format_check(check: dict) -> str:
+    verdict = "PASS" if check["calls"] > 0 and check["max_rel"] <= AB_REL_TOL else "FAIL"
+    return (f"MLA check (kdtree-check: both paths on the same calls): {check['calls']} routed layer calls over "
+            f"{check['rounds']} rounds ({check['graph_rounds']} in graph replays); max |fused - SGLang| "
+            f"{check['max_abs']:.4g} = {check['max_rel']:.3g} of max |SGLang output| (tolerance {AB_REL_TOL:g}: "
+            f"{verdict})")
+
+
 def format_table(table: dict, depths: int, vocab: int) -> str:
     lines = ["| bs | server | tok/s per request | tok/s total | accept len | draft ms | tree ms | verify ms | "
              "accept+commit ms | bookkeeping ms | SGLang prep + drafter feed ms | bookkeeping floor ms |",
@@ -263,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per size and server (default 3)")
     ap.add_argument("--kinds", nargs="+", default=["plain", "dflash", "kdtree", "kdtree-log", "kdtree-nomla"],
                     help="servers to run (default plain dflash kdtree kdtree-log kdtree-nomla; kdtree-nomla = "
-                         "SGLANG_KDTREE_MLA=off, for the A/B of tokens/s and verify logits)")
+                         "SGLANG_KDTREE_MLA=off, for the A/B of tokens/s and verify logits; kdtree-check = "
+                         "SGLANG_KDTREE_MLA=check, both MLA paths on the same calls)")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]
@@ -296,6 +326,10 @@ def main(argv=None) -> int:
             if row["same_inputs"] else "no node with the same prefix and token path in both dumps, not compared"))
     if not ab:
         print("verify logits: no dumps to compare (kdtree-log / kdtree-nomla did not both dump)")
+    check = mla_check(servers.get("kdtree-check"))
+    if check is not None:
+        (args.out / "mla_check.json").write_text(json.dumps(check, indent=1))
+        print(format_check(check))
     return 0 if not failed else 1
 
 

@@ -20,7 +20,11 @@ ancestor rows. A call is routed to it only when every condition holds; anything 
 
 Option ``SGLANG_KDTREE_MLA`` (read when the plugin registers): ``fused`` (default) registers the hooks;
 ``off`` leaves SGLang's MLA verify path in place (for A/B comparisons of the verify logits; see
-``tests/gpu/test_server_cuda.py``). ``SGLANG_KDTREE_MLA_KERNEL`` (``auto|wgmma|mma``, checked at registration) picks
+``tests/gpu/test_server_cuda.py``); ``check`` routes like ``fused`` and also runs SGLang's original on every routed
+call, on the same inputs (q, k, v, the pool, the backend's metadata), keeping the fused output: the largest
+|fused - SGLang| over those calls, and its ratio to the largest |SGLang output|, stay on the device (no sync, so
+graph replays count too) and the round log reports them (``mla_check``). A diagnostic: it runs the verify attention
+twice. ``SGLANG_KDTREE_MLA_KERNEL`` (``auto|wgmma|mma``, checked at registration) picks
 which fused kernel (``sglang_kdtree.gpu.mla_attention``).
 """
 
@@ -37,6 +41,7 @@ FA3_TARGET = "sglang.srt.layers.attention.flashattention_backend.FlashAttentionB
 TARGETS = (TRITON_TARGET, FA3_TARGET)
 
 _MLA_QK, _MLA_V = 576, 512
+_mode = "fused"  # option() as registered
 
 
 def is_kdtree_verify(forward_batch) -> bool:
@@ -110,7 +115,10 @@ def triton_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv
         bits,
         layer.scaling,
     )
-    return out.view(-1, heads * _MLA_V)
+    out = out.view(-1, heads * _MLA_V)
+    if _mode == "check":  # the keys are in the pool already: the original need not write them again
+        record_check(out, original(self, q, k, v, layer, forward_batch, False, *args, **kwargs))
+    return out
 
 
 def fa3_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
@@ -153,7 +161,10 @@ def fa3_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_ca
         bits,
         layer.scaling,
     )
-    return out.view(-1, heads * _MLA_V)
+    out = out.view(-1, heads * _MLA_V)
+    if _mode == "check":  # the keys are in the pool already: the original need not write them again
+        record_check(out, original(self, q, k, v, layer, forward_batch, False, q_rope, k_rope, *args, **kwargs))
+    return out
 
 
 def _cp_active(forward_batch) -> bool:
@@ -165,7 +176,46 @@ def _cp_active(forward_batch) -> bool:
 
 
 ENV_OPTION = "SGLANG_KDTREE_MLA"
-OPTIONS = ("fused", "off")
+OPTIONS = ("fused", "off", "check")
+
+#: ``check`` mode's running figures per device: float32 [3] = (largest |fused - SGLang| / largest |SGLang output|
+#: of a call, largest |fused - SGLang|, routed calls compared)
+_check: dict[str, object] = {}
+
+
+def _check_tensor(device):
+    import torch
+
+    key = str(device)
+    if key not in _check:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a tensor created inside a capture would be re-zeroed at every replay; SGLang's graph runner runs
+            # each forward eagerly before it captures, so this only fires if that ever changes
+            raise RuntimeError(f"kdtree: {ENV_OPTION}=check met a CUDA graph capture before any eager verify call")
+        _check[key] = torch.zeros(3, dtype=torch.float32, device=device)
+    return _check[key]
+
+
+def record_check(ours, ref) -> None:
+    """Fold one routed call's comparison into the device's figures (device ops only: capturable)."""
+    import torch
+
+    stat = _check_tensor(ours.device)
+    a = ours.float()
+    r = ref.float().reshape(a.shape)
+    diff = (a - r).abs().amax()
+    rel = diff / r.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+    stat[:2].copy_(torch.maximum(stat[:2], torch.stack((rel, diff))))
+    stat[2].add_(1.0)
+
+
+def check_stats(device) -> dict | None:
+    """``{"calls", "max_rel", "max_abs"}`` of ``check`` mode on ``device`` so far (syncs), or None outside it."""
+    stat = _check.get(str(device))
+    if stat is None:
+        return None
+    rel, diff, calls = stat.tolist()
+    return {"calls": int(calls), "max_rel": rel, "max_abs": diff}
 
 
 def option() -> str:
@@ -184,9 +234,14 @@ def register() -> None:
 
     import torch
 
-    if option() == "off":
+    global _mode
+    _mode = option()
+    if _mode == "off":
         logger.info("sglang-kdtree: %s=off, MLA tree verify keeps SGLang's attention path", ENV_OPTION)
         return
+    if _mode == "check":
+        logger.warning("sglang-kdtree: %s=check, every routed MLA tree verify also runs SGLang's path to compare "
+                       "(a diagnostic: the verify attention runs twice)", ENV_OPTION)
     from sglang_kdtree.gpu.mla_attention import kernel_option
 
     kernel_option()  # an unknown $SGLANG_KDTREE_MLA_KERNEL fails here, at startup, not in the first verify round

@@ -110,7 +110,8 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
       (``{"wgmma": n}`` / ``{"mma": n}``: which one ran); ``marlin_routed``: routed Marlin MoE calls (eager
       calls plus captures); ``tree_graph_replays`` / ``commit_graph_replays``: the GPU round graphs' replays;
       ``tree_head_first``: tree steps that found the stream idle and issued the head GEMM before their host work
-      (``TreeStepGraphs.step``);
+      (``TreeStepGraphs.step``); ``mla_check`` (under ``SGLANG_KDTREE_MLA=check`` only): the fused MLA kernel
+      against SGLang's MLA path on the same routed calls so far (``patches/mla_tree_verify.check_stats``);
     * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
       verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept,
       KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock.
@@ -127,6 +128,11 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
         record["tree_graph_replays"] = backend._tree_graphs.replays
         record["commit_graph_replays"] = backend._commit_graphs.replays
         record["tree_head_first"] = backend._tree_graphs.head_first
+        from sglang_kdtree.patches import mla_tree_verify as mla_hook
+
+        check = mla_hook.check_stats(device)
+        if check is not None:
+            record["mla_check"] = check
     try:
         from sglang_kdtree.patches import marlin_moe
     except ImportError:  # pragma: no cover - patches ship with the package

@@ -117,3 +117,21 @@ def test_round_parts_groups_kernel_records_per_replay():
     assert out["span"] == 14.5
     bad = parts.group_kernel_records(records[:-1], 3)  # a record missing: not split into replays
     assert "not grouped" in bad["kernels"][0][0] and bad["span"] != bad["span"]
+
+
+def test_mla_check_reads_the_check_servers_last_record_and_judges_it(tmp_path):
+    bench = _load()
+    assert bench.mla_check(None) is None
+    log = tmp_path / "rounds-kdtree-check.jsonl"
+    server = types.SimpleNamespace(round_log=log)
+    assert bench.mla_check(server) is None  # no log yet
+    rows = [{"accept_lens": [3], "graph": False, "mla_check": {"calls": 3, "max_rel": 0.001, "max_abs": 0.01}},
+            {"accept_lens": [3], "graph": True, "mla_check": {"calls": 6, "max_rel": 0.004, "max_abs": 0.03}},
+            {"accept_lens": [3], "graph": True}]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    check = bench.mla_check(server)
+    assert check == {"calls": 6, "max_rel": 0.004, "max_abs": 0.03, "rounds": 3, "graph_rounds": 2}
+    assert "6 routed layer calls over 3 rounds (2 in graph replays)" in bench.format_check(check)
+    assert bench.format_check(check).endswith("PASS)")
+    assert bench.format_check(dict(check, max_rel=0.02)).endswith("FAIL)")
+    assert bench.format_check(dict(check, calls=0, max_rel=0.0)).endswith("FAIL)")  # nothing compared is no pass

@@ -240,3 +240,66 @@ def test_is_kdtree_verify_only_for_kdtree_target_verify():
     assert not hook.is_kdtree_verify(_batch(algo="EAGLE"))
     assert not hook.is_kdtree_verify(_batch(verify=False))
     assert not hook.is_kdtree_verify(SimpleNamespace(forward_mode=_Mode(True), spec_algorithm=None))
+
+
+@pytest.fixture
+def check_mode(monkeypatch):
+    """SGLANG_KDTREE_MLA=check as registered, with fresh figures."""
+    monkeypatch.setattr(hook, "_mode", "check")
+    monkeypatch.setattr(hook, "_check", {})
+
+
+def test_check_mode_runs_the_original_on_the_same_call_and_keeps_the_fused_output(calls, check_mode):
+    seen = []
+
+    def original(self, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs):
+        seen.append((q, k, v, save_kv_cache, args, kwargs))
+        return torch.full((6, 4 * 512), 0.25)  # the fake fused output is zeros
+
+    be = _backend()
+    q = torch.zeros(6, 4 * 576)
+    out = hook.triton_forward_extend(original, be, q, "k", "v", _layer(), _batch())
+    assert calls[0][0] == "csr" and torch.equal(out, torch.zeros(6, 4 * 512))  # the fused output is what returns
+    assert len(seen) == 1 and seen[0][0] is q and seen[0][1:] == ("k", "v", False, (), {})  # no second KV write
+    assert be.kv_writes == [("loc", "k", "v")]
+    assert hook.check_stats(torch.device("cpu")) == {"calls": 1, "max_rel": 1.0, "max_abs": 0.25}
+
+
+def test_check_mode_on_fa3_passes_the_split_query_to_the_original(calls, check_mode):
+    seen = []
+
+    def original(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, *args, **kwargs):
+        seen.append((q, save_kv_cache, q_rope, k_rope))
+        return torch.zeros(6, 4 * 512)
+
+    q_nope, q_rope = torch.randn(6, 4 * 512), torch.randn(6, 4 * 64)
+    hook.fa3_forward_extend(original, _backend(), q_nope, "k", "v", _layer(), _batch(), True, q_rope, "k_rope")
+    assert len(seen) == 1 and seen[0][0] is q_nope and seen[0][1] is False and seen[0][2] is q_rope
+    assert hook.check_stats(torch.device("cpu"))["calls"] == 1
+
+
+def test_check_figures_keep_the_largest_difference_over_calls(check_mode):
+    """Independent of the hook: the running maxima of |a - b| and of |a - b| / max|b| per call, and the count."""
+    cpu = torch.device("cpu")
+    assert hook.check_stats(cpu) is None  # nothing compared yet
+    ref = torch.tensor([[2.0, -4.0], [1.0, 0.5]])
+    hook.record_check(ref + torch.tensor([[0.0, 0.5], [0.0, 0.0]]), ref)  # 0.5 off, max|ref| 4
+    hook.record_check(torch.tensor([1.0, 1.25]), torch.tensor([[1.0], [1.0]]))  # other shapes: flattened alike
+    hook.record_check(ref.to(torch.bfloat16), ref)  # exact
+    stats = hook.check_stats(cpu)
+    assert stats == {"calls": 3, "max_rel": 0.25, "max_abs": 0.5}
+
+
+def test_check_is_an_accepted_option_and_registers_the_hooks(monkeypatch):
+    from collections import defaultdict
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(hook, "_mode", "fused")
+    monkeypatch.setenv(hook.ENV_OPTION, " Check ")
+    hook.register()
+    assert hook._mode == "check" and HookRegistry._hooks[hook.TRITON_TARGET]
+    monkeypatch.setenv(hook.ENV_OPTION, "both")
+    with pytest.raises(ValueError, match="SGLANG_KDTREE_MLA='both' is not one of fused|off|check"):
+        hook.option()
