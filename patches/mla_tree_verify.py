@@ -211,6 +211,11 @@ def record_check(ours, ref) -> None:
 
 def check_stats(device) -> dict | None:
     """``{"calls", "max_rel", "max_abs"}`` of ``check`` mode on ``device`` so far (syncs), or None outside it."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the worker's device may be plain "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     stat = _check.get(str(device))
     if stat is None:
         return None

@@ -303,3 +303,12 @@ def test_check_is_an_accepted_option_and_registers_the_hooks(monkeypatch):
     monkeypatch.setenv(hook.ENV_OPTION, "both")
     with pytest.raises(ValueError, match="SGLANG_KDTREE_MLA='both' is not one of fused|off|check"):
         hook.option()
+
+
+def test_check_stats_finds_a_cuda_devices_figures_under_plain_cuda(check_mode, monkeypatch):
+    """The worker's device may be the string "cuda"; the figures are kept under the tensors' "cuda:N"."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    hook._check["cuda:0"] = torch.tensor([0.5, 1.0, 2.0])
+    assert hook.check_stats("cuda") == {"calls": 2, "max_rel": 0.5, "max_abs": 1.0}
+    assert hook.check_stats(torch.device("cuda", 0))["calls"] == 2
+    assert hook.check_stats("cuda:1") is None
