@@ -15,8 +15,9 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   after the run (``compare_dumps``). Two servers: their trees and MoE reductions may differ, so a row whose
   routing flips between them differs by more than the attention does;
 * ``kdtree-check``: KDTREE with ``SGLANG_KDTREE_MLA=check`` (the fused kernel's output is used, and SGLang's MLA path
-  runs beside it on every routed call, same inputs) and a round log: the largest |fused - SGLang| over every layer
-  of every verify forward, eager and in graph replays, relative to the largest |SGLang output| (``mla_check``);
+  runs beside it on every routed call, same inputs) and a round log, with ``--disable-cuda-graph`` (check mode
+  compares eager calls only): the largest |fused - SGLang| over every layer of every verify forward, relative to
+  the largest |SGLang output| (``mla_check``);
 * ``kdtree-log``: the same with ``KDTREE_ROUND_LOG`` (CUDA events per phase and one extra host read per
   round), which gives the per-round time split: ``draft`` (drafter forward), ``tree`` (draft top-K, tree,
   verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept, KV
@@ -80,6 +81,8 @@ def _args_for(kind: str, variant, port: int, budget: int) -> list[str]:
         args[i + 1] = str(budget + 1)
     elif kind == "dflash":
         args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]
+    if kind == "kdtree-check":  # SGLANG_KDTREE_MLA=check compares eager calls only (patches/mla_tree_verify.py)
+        args.append("--disable-cuda-graph")
     return args
 
 

@@ -30,6 +30,9 @@ def test_each_kind_gets_its_own_algorithm_and_the_same_drafter(tmp_path):
     df = bench._args_for("dflash", variant, 1235, budget=64)
     assert df[df.index("--speculative-algorithm") + 1] == "DFLASH"
     assert df[df.index("--speculative-draft-model-path") + 1] == kd[kd.index("--speculative-draft-model-path") + 1]
+    check = bench._args_for("kdtree-check", variant, 1237, budget=64)
+    assert check[check.index("--speculative-algorithm") + 1] == "kdtree" and "--disable-cuda-graph" in check
+    assert "--disable-cuda-graph" not in kd
     plain = bench._args_for("plain", variant, 1236, budget=64)
     assert "--speculative-algorithm" not in plain and "--disable-cuda-graph" not in plain
 

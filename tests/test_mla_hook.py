@@ -312,3 +312,26 @@ def test_check_stats_finds_a_cuda_devices_figures_under_plain_cuda(check_mode, m
     assert hook.check_stats("cuda") == {"calls": 2, "max_rel": 0.5, "max_abs": 1.0}
     assert hook.check_stats(torch.device("cuda", 0))["calls"] == 2
     assert hook.check_stats("cuda:1") is None
+
+
+def test_check_mode_compares_no_call_inside_sglangs_graph_capture(calls, check_mode, monkeypatch):
+    """Capture-time calls (SGLang's warm-up runs and the capture) run on placeholder inputs: not compared."""
+    seen = []
+    monkeypatch.setattr(hook, "_in_capture", lambda device: True)
+    hook.triton_forward_extend(lambda *a, **k: seen.append(a), _backend(), torch.zeros(6, 4 * 576), "k", "v",
+                               _layer(), _batch())
+    assert calls[0][0] == "csr" and seen == [] and hook.check_stats(torch.device("cpu")) is None
+
+
+def test_in_capture_follows_sglangs_capture_mode_and_the_capturing_stream(monkeypatch):
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(capture_mode, "is_capture_mode", False)
+    assert not hook._in_capture(cuda) and not hook._in_capture(torch.device("cpu"))
+    monkeypatch.setattr(capture_mode, "is_capture_mode", True)  # the warm-up runs before a capture
+    assert hook._in_capture(cuda) and not hook._in_capture(torch.device("cpu"))
+    monkeypatch.setattr(capture_mode, "is_capture_mode", False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert hook._in_capture(cuda)
