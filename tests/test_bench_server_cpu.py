@@ -77,6 +77,8 @@ def test_compare_dumps_measures_same_input_rounds_and_skips_diverged_ones(tmp_pa
     rows = bench.compare_dumps(tmp_path)
     assert len(rows) == 2
     assert rows[0]["same_inputs"] and abs(rows[0]["max_abs"] - 0.25) < 1e-6 and rows[0]["rows"] == 6
+    # 0.25 is over 2^-6 of the largest |logit| (a few units here) for that one row only
+    assert rows[0]["rows_over"] == (1 if 0.25 > bench.AB_REL_TOL * float(shifted.abs().max()) else 0) == 1
     assert abs(rows[0]["rel_to_max_logit"] - rows[0]["max_abs"] / float(shifted.abs().max())) < 1e-12
     assert rows[1] == {"round": 1, "same_inputs": False, "graph": (True, True)}
 
@@ -98,7 +100,7 @@ def test_compare_dumps_matches_nodes_by_token_path_when_the_order_differs(tmp_pa
                     "graph": True}, tmp_path / f"dump-{name}.0.pt")
     (row,) = bench.compare_dumps(tmp_path)
     assert row["same_inputs"] and row["rows"] == 4
-    assert abs(row["max_abs"] - 0.5) < 1e-6
+    assert abs(row["max_abs"] - 0.5) < 1e-6 and row["rows_over"] == 1
     # a swapped-but-unmatched order (compared row by row) would have seen differences far above 0.5
     assert float((logits_a - logits_b).abs().max()) > 0.5
 
