@@ -207,7 +207,8 @@ def compare_dumps(out: Path) -> list[dict]:
     with atomics are not bit-reproducible across processes). Per round: the largest |difference| over the
     matched rows relative to the largest |logit|, whether every matched row's argmax agrees, how many rows matched
     and how many of them differ by more than ``AB_REL_TOL`` of the largest |logit| (``rows_over``: one row can fail a
-    round when its MoE routing flips between the two processes). Rounds whose roots or prefixes differ match no rows and are reported, not compared."""
+    round when its MoE routing flips between the two processes). Rounds whose roots or prefixes differ match no rows
+    and are reported, not compared."""
     import torch
 
     rows = []
@@ -246,7 +247,8 @@ def compare_dumps(out: Path) -> list[dict]:
 
 def mla_check(server) -> dict | None:
     """The ``kdtree-check`` server's last ``mla_check`` record (its figures cover the whole run), with the number
-    of rounds whose verify forward replayed a graph, or None when that server did not run or logged none."""
+    of rounds and of those whose verify forward replayed a graph (not compared), or None when that server did not
+    run or logged none."""
     if server is None or server.round_log is None or not server.round_log.exists():
         return None
     records = [json.loads(x) for x in server.round_log.read_text().splitlines() if x.strip()]
@@ -259,7 +261,7 @@ def mla_check(server) -> dict | None:
 def format_check(check: dict) -> str:
     verdict = "PASS" if check["calls"] > 0 and check["max_rel"] <= AB_REL_TOL else "FAIL"
     return (f"MLA check (kdtree-check: both paths on the same calls): {check['calls']} routed layer calls over "
-            f"{check['rounds']} rounds ({check['graph_rounds']} in graph replays); max |fused - SGLang| "
+            f"{check['rounds']} rounds ({check['graph_rounds']} replayed a graph: not compared); max |fused - SGLang| "
             f"{check['max_abs']:.4g} = {check['max_rel']:.3g} of max |SGLang output| (tolerance {AB_REL_TOL:g}: "
             f"{verdict})")
 

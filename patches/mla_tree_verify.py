@@ -257,8 +257,9 @@ def register() -> None:
         logger.info("sglang-kdtree: %s=off, MLA tree verify keeps SGLang's attention path", ENV_OPTION)
         return
     if _mode == "check":
-        logger.warning("sglang-kdtree: %s=check, every routed MLA tree verify also runs SGLang's path to compare "
-                       "(a diagnostic: the verify attention runs twice)", ENV_OPTION)
+        logger.warning("sglang-kdtree: %s=check, every routed MLA tree verify that runs eagerly also runs SGLang's "
+                       "path to compare (a diagnostic: the verify attention runs twice; calls replayed from CUDA "
+                       "graphs are not compared: pass --disable-cuda-graph)", ENV_OPTION)
     from sglang_kdtree.gpu.mla_attention import kernel_option
 
     kernel_option()  # an unknown $SGLANG_KDTREE_MLA_KERNEL fails here, at startup, not in the first verify round

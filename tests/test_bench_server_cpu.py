@@ -136,7 +136,7 @@ def test_mla_check_reads_the_check_servers_last_record_and_judges_it(tmp_path):
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     check = bench.mla_check(server)
     assert check == {"calls": 6, "max_rel": 0.004, "max_abs": 0.03, "rounds": 3, "graph_rounds": 2}
-    assert "6 routed layer calls over 3 rounds (2 in graph replays)" in bench.format_check(check)
+    assert "6 routed layer calls over 3 rounds (2 replayed a graph: not compared)" in bench.format_check(check)
     assert bench.format_check(check).endswith("PASS)")
     assert bench.format_check(dict(check, max_rel=0.02)).endswith("FAIL)")
     assert bench.format_check(dict(check, calls=0, max_rel=0.0)).endswith("FAIL)")  # nothing compared is no pass
