@@ -158,20 +158,31 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
 
     // A key tile's loads, issued by warpgroup 1 alone: it is idle while warpgroup 0 computes S and the softmax, so
     // warpgroup 0 never waits on a slot lookup. 8 threads per key row (a warp covers 4 rows x 128 contiguous bytes
-    // per load), 9 of its 72 chunks each, 16 rows per pass, one slot lookup per row. (On the H200 this beat all 256
-    // threads loading, and 2 or 4 threads per row: benchmarks/RESULTS.md, session 14.)
-    auto load_keys = [&](int stage, int t0) {
+    // per load), 9 of its 72 chunks each, 16 rows per pass. (On the H200 this beat all 256 threads loading, and 2
+    // or 4 threads per row: benchmarks/RESULTS.md, session 14.) The rows' slots are looked up one tile ahead
+    // (fetch_slots, into registers; the lookup's latency passes while the previous tile computes), so a tile's
+    // copies start as soon as its stage is free. A row past the split's keys gets slot -1 and zero-fills.
+    long long slot_next[KEY_TILE / 16];
+    auto fetch_slots = [&](int t0) {
+        if (wg != 1) return;
+        const int lt = tid - 128;
+#pragma unroll
+        for (int pass = 0; pass < KEY_TILE / 16; ++pass) {
+            const int t = t0 + (lt >> 3) + 16 * pass;
+            long long slot = -1;
+            if (t < k_hi) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
+            slot_next[pass] = slot;
+        }
+    };
+    auto load_keys = [&](int stage) {
         if (wg != 1) return;
         const u32 dst = k_sa + stage * TILE_BYTES;
         const int lt = tid - 128;
 #pragma unroll
         for (int pass = 0; pass < KEY_TILE / 16; ++pass) {
             const int r = (lt >> 3) + 16 * pass;
-            const int t = t0 + r;
-            const bool valid = t < k_hi;
-            long long slot = 0;
-            if (valid) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
-            const bf16_t* src = kv + slot * kv_stride;
+            const bool valid = slot_next[pass] >= 0;
+            const bf16_t* src = kv + (valid ? slot_next[pass] : 0) * kv_stride;
 #pragma unroll
             for (int j = 0; j < CHUNKS / 8; ++j) {
                 const int ch = (lt & 7) + 8 * j;
@@ -195,7 +206,9 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
             const bf16_t* src = q + (req_row0 + row0 + (valid ? r : 0)) * D_QK + ch * 8;
             cp_async16(q_sa + swz(r, ch), src, valid);
         }
-        load_keys(0, k_lo);
+        fetch_slots(k_lo);
+        load_keys(0);
+        if (nblk > 1) fetch_slots(k_lo + KEY_TILE);
     }
     cp_async_commit();
 
@@ -205,7 +218,10 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
         cp_async_wait_all();
         fence_async_smem();
         __syncthreads();  // tile blk (and Q) visible to both warpgroups' wgmma; tile blk-1 fully consumed
-        if (blk + 1 < nblk) load_keys(stage ^ 1, t0 + KEY_TILE);
+        if (blk + 1 < nblk) {
+            load_keys(stage ^ 1);
+            if (blk + 2 < nblk) fetch_slots(t0 + 2 * KEY_TILE);
+        }
         cp_async_commit();
         const u32 kt = k_sa + stage * TILE_BYTES;
 
