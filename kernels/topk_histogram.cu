@@ -8,9 +8,11 @@
 //               batches: 16384, two 32-column groups per thread; the launcher's HIST_G2_MIN_BLOCKS), 16-byte loads.
 //               Per thread its largest and smallest value (NaN-propagating: the max screens for NaN / +inf); each
 //               warp sorts its 32 thread maxima (shuffles) and the chunk bound c is the smallest of the 8 warps'
-//               ceil(K/8)-th largest (K <= 256; else no bound): K distinct columns are >= c, so c <= the row's K-th
-//               largest key T. The block histogram of the key's top 12 bits in shared memory counts only the columns
-//               >= c (typically a few dozen of 8192; found by a bit mask during the exp pass, then re-read), which
+//               ceil(K/8)-th largest (K <= 256; for 256 < K <= 1024 on full bf16 chunks, of the threads' m4 values,
+//               each reached by 4 distinct columns of the thread, and the warps' ceil(K/32)-th largest; else no
+//               bound): K distinct columns are >= c, so c <= the row's K-th largest key T. The block histogram of
+//               the key's top 12 bits in shared memory counts only the columns >= c (typically a few dozen of 8192
+//               at K 64; found by a bit mask during the exp pass, then re-read), which
 //               keeps the boundary bin at T's bin; the bins c .. max are flushed to the row's global histogram with
 //               one atomic per nonzero bin, and the row's bin range grows to cover them (`row_range`: two
 //               atomicMax per block). Also the chunk's (max, sum exp(x - max)) for the logsumexp over every
@@ -27,7 +29,9 @@
 //               S_CACHE). At most RANK_ITEMS candidates in shared memory are placed directly by rank (the
 //               number of larger (key << 32 | ~id) composites: a strict total order that carries the tie rule,
 //               so candidate order does not matter); more go through an exact radix select of the K largest
-//               composites, whose winners are placed by rank (<= RANK_ITEMS) or a bitonic sort. A row with
+//               composites, whose winners are placed by rank (<= RANK_ITEMS) or a bitonic sort. K > 256 (the
+//               *_wide select kernels), when they fit in shared memory: each is placed in its bin's segment (which
+//               starts at the histogram's count above the bin) and ranked among its own bin's only. A row with
 //               more than `cap` candidates (heavy ties around the K-th value) runs the same select over the
 //               row itself.
 //
@@ -120,18 +124,24 @@ NAN_PROPAGATING(bf16x2_max_nan, "max.NaN.bf16x2", u32, "r")
 NAN_PROPAGATING(bf16x2_min_nan, "min.NaN.bf16x2", u32, "r")
 
 // The thread's largest and smallest values among its valid columns (-inf / +inf when it has none; NaN when
-// any is NaN).
-template <typename T, int VEC, int GT, bool FULL>
-__device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words], int n, int g, float& mx, float& mn) {
+// any is NaN). WIDE (bf16 full chunks, K > H_FILTER_K): also m4, a value that 4 distinct columns of the group
+// reach: each half of the packed words (the even and the odd elements, 16 each) keeps its two largest, and m4
+// is the smallest of those four (else -inf: no bound).
+template <typename T, int VEC, int GT, bool FULL, bool WIDE = false>
+__device__ __forceinline__ void thread_range(const u32 (&raw)[Packed<T>::words], int n, int g, float& mx, float& mn,
+                                             float& m4) {
+  m4 = -INFINITY;
   if constexpr (FULL && sizeof(T) == 2) {
-    u32 hi = raw[0], lo = raw[0];
+    u32 hi = raw[0], lo = raw[0], hi2 = 0xff80ff80u;  // hi2: each half's second largest (-inf, -inf at first)
 #pragma unroll
     for (int i = 1; i < Packed<T>::words; ++i) {
+      if (WIDE) hi2 = bf16x2_max_nan(hi2, bf16x2_min_nan(hi, raw[i]));
       hi = bf16x2_max_nan(hi, raw[i]);
       lo = bf16x2_min_nan(lo, raw[i]);
     }
     mx = fmax_nan(bf16_lo(hi), bf16_hi(hi));
     mn = fmin_nan(bf16_lo(lo), bf16_hi(lo));
+    if (WIDE) m4 = fmin_nan(bf16_lo(hi2), bf16_hi(hi2));
   } else {
     mx = -INFINITY;
     mn = INFINITY;
@@ -210,7 +220,7 @@ __device__ __forceinline__ double exp_sum_mask_bf16_full(const u32 (&raw)[Packed
 __device__ __forceinline__ int mask_elem(int bit) { return bit < 16 ? 2 * bit : 2 * (bit - 16) + 1; }
 
 // ex2.approx.ftz gives the same value as without ftz when every exponent is >= -126 (monotone in x: checked
-// on the thread's smallest value; NaN / -inf: the exact one). fma: ML = M log2(e) is a finite fp32 (the
+// on the thread's smallest value; NaN / -inf: the exact one). fma: ML = M log2(e) is an fp32 within 2^24 (the
 // exponent's form above; block-uniform).
 template <typename T, int VEC, int GT, bool FULL>
 __device__ __forceinline__ double exp_sum_mask(const u32 (&raw)[Packed<T>::words], int n, int g, float cf, float M,
@@ -239,7 +249,9 @@ __device__ __forceinline__ double chunk_exp_scale(float M, float ML) {
 // G groups per thread (G = 1: one 32-column group, 8192-column chunks; G = 2, bf16 only: two, 16384-column
 // chunks, so the block's fixed work (the maxima sort, the bound, the flush) is paid once per 16384 columns).
 // Thread tid owns groups tid + i * H_THREADS, i < G, of the chunk's GT = G * H_THREADS.
-template <typename T, int VEC, int G>
+// WIDE (the hist_pass_wide_* kernels, which the launcher picks for bf16 rows and 256 < K <= 1024): the bound from
+// the threads' m4 values on full chunks; the other kernels carry none of that code.
+template <typename T, int VEC, int G, bool WIDE = false>
 __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                           u32* __restrict__ ghist, unsigned short* __restrict__ group_bin,
                                           u32* __restrict__ chunk_cut, float* __restrict__ chunk_max,
@@ -248,6 +260,7 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
   __shared__ __align__(16) u32 hist[H_BINS];
   __shared__ u32 sorted[H_THREADS];
+  __shared__ u32 wmax[H_THREADS / 32];
   __shared__ double dscratch[H_THREADS / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.y, c = blockIdx.x;  // grid (C, R)
@@ -268,16 +281,21 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   uint4* h4 = reinterpret_cast<uint4*>(hist);
   for (int b = tid; b < H_BINS / 4; b += H_THREADS) h4[b] = make_uint4(0u, 0u, 0u, 0u);
 
-  float tmax = -INFINITY, tmin = INFINITY;
+  // K up to H_FILTER_K: the bound from the threads' maxima; up to 4 H_FILTER_K (bf16 full chunks): from each
+  // thread's m4 (thread_range), 4 distinct columns per thread
+  const bool wide = WIDE && kout > H_FILTER_K && kout <= 4 * H_FILTER_K && full && sizeof(T) == 2;
+  float tmax = -INFINITY, tmin = INFINITY, t4 = -INFINITY;
   u32 gkey[G];  // each group's largest key (KEY_NEG_INF for a group with no valid column)
 #pragma unroll
   for (int i = 0; i < G; ++i) {
-    float gmax, gmin;
-    if (full) thread_range<T, VEC, GT, true>(raw[i], n, tid + i * H_THREADS, gmax, gmin);
-    else thread_range<T, VEC, GT, false>(raw[i], n, tid + i * H_THREADS, gmax, gmin);
+    float gmax, gmin, g4;
+    if (WIDE && wide) thread_range<T, VEC, GT, true, true>(raw[i], n, tid + i * H_THREADS, gmax, gmin, g4);
+    else if (full) thread_range<T, VEC, GT, true>(raw[i], n, tid + i * H_THREADS, gmax, gmin, g4);
+    else thread_range<T, VEC, GT, false>(raw[i], n, tid + i * H_THREADS, gmax, gmin, g4);
     gkey[i] = float_key(gmax);
     tmax = i == 0 ? gmax : fmax_nan(tmax, gmax);
     tmin = i == 0 ? gmin : fmin_nan(tmin, gmin);
+    t4 = i == 0 ? g4 : fmax_nan(t4, g4);  // one group's 4 columns suffice
   }
   if (tmax != tmax || tmax == INFINITY) {  // rare: name the bad values exactly
     int bad = 0;
@@ -292,8 +310,14 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
     if (bad) atomicOr(err, bad);
   }
   const u32 kmax = float_key(tmax);  // KEY_NEG_INF for a thread with no valid column
-  // each warp's maxima sorted descending (bitonic network over the lanes)
-  u32 v = kmax;
+  if (wide) {  // the sort below is of m4 keys: each warp's largest key separately
+    u32 wm = kmax;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wm = max(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+    if (lane == 0) wmax[warp] = wm;
+  }
+  // each warp's maxima (wide: m4 keys) sorted descending (bitonic network over the lanes)
+  u32 v = wide ? float_key(t4) : kmax;
 #pragma unroll
   for (int k = 2; k <= 32; k <<= 1)
 #pragma unroll
@@ -309,12 +333,13 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   // top kout are kout of the row's columns). Every key >= T is then counted, which keeps the boundary bin
   // at T's bin: the counts above that bin are exact and the bin's own count still reaches kout. A thread
   // with no valid column counts as -inf (KEY_NEG_INF, the smallest key of any non-NaN value: no filter).
-  // K > 256: no bound.
-  u32 bmax = sorted[0], cut = KEY_NEG_INF;
+  // Wide: q = ceil(kout / 32) threads per warp with 4 distinct columns >= their m4 >= the bound, 32 q >= kout.
+  // Otherwise (K > 256 on other chunks): no bound.
+  u32 bmax = wide ? wmax[0] : sorted[0], cut = KEY_NEG_INF;
 #pragma unroll
-  for (int w = 1; w < H_THREADS / 32; ++w) bmax = max(bmax, sorted[32 * w]);
-  if (kout <= H_FILTER_K) {
-    const int q = (kout + 7) >> 3;
+  for (int w = 1; w < H_THREADS / 32; ++w) bmax = max(bmax, wide ? wmax[w] : sorted[32 * w]);
+  if (kout <= H_FILTER_K || wide) {
+    const int q = wide ? (kout + 31) >> 5 : (kout + 7) >> 3;
     cut = sorted[q - 1];
 #pragma unroll
     for (int w = 1; w < H_THREADS / 32; ++w) cut = min(cut, sorted[32 * w + q - 1]);
@@ -330,7 +355,9 @@ __device__ __forceinline__ void hist_pass(const T* __restrict__ logits, long lon
   for (int i = 0; i < G; ++i)  // 0 for a group with nothing >= the bound
     group_bin[blk * GT + tid + i * H_THREADS] = gkey[i] >= cut ? (unsigned short)(gkey[i] >> H_SHIFT) : 0;
   const float ML = __fmul_rn(M, LOG2E_F);
-  const bool fma = fabsf(ML) <= 3.4028234663852886e38f;  // finite: the FMA form (exp_sum_mask)
+  // the FMA form (exp_sum_mask) while ML is within 2^24: its rounding error, the factor's exponent, is then <= 1 (a
+  // larger |M|, e.g. 1e30, would put 2^(M log2(e) - ML) out of range); beyond, the plain form
+  const bool fma = fabsf(ML) <= 16777216.f;
   const bool packed = full && sizeof(T) == 2 && fma;  // the mask's layout (PACKED_MASK or element order)
   double s = 0.0;
 #pragma unroll
@@ -386,6 +413,15 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_bf16_v8_g2(
 extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_bf16_v1(const unsigned short* logits, HIST_ARGS) {
   hist_pass<unsigned short, 1, 1>(logits, HIST_PASS);
 }
+extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_wide_bf16_v8(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 8, 1, true>(logits, HIST_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_wide_bf16_v8_g2(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 8, 2, true>(logits, HIST_PASS);
+}
+extern "C" __global__ void __launch_bounds__(H_THREADS, 6) hist_pass_wide_bf16_v1(const unsigned short* logits, HIST_ARGS) {
+  hist_pass<unsigned short, 1, 1, true>(logits, HIST_PASS);
+}
 extern "C" __global__ void __launch_bounds__(H_THREADS, 4) hist_pass_f32_v4(const float* logits, HIST_ARGS) {
   hist_pass<float, 4, 1>(logits, HIST_PASS);
 }
@@ -407,7 +443,13 @@ struct RowSource {
 // The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
 // the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
 // row holds fewer than `want` keys. Thread tid owns bins (H_THREADS - 1 - tid) * PER .. + PER - 1.
-__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel, int lo, int hi) {
+// With seg_start (H_BINS u16) and seg_cur (H_BINS / 2 u32: two u16 per word, bin b in half b & 1 of word b / 2),
+// or null: also each bin's place in the descending order of the counted keys, for the bins b* and above:
+// seg_start[b] = seg_cur's entry for b = the count of keys above bin b (the start of its segment; the cursor is the
+// gather's). Counts fit 16 bits: the by-bin select runs only when at most S_CACHE keys are at or above b*.
+// Written only when sel[0] is a bin; ends with a barrier.
+__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel, int lo, int hi,
+                                             unsigned short* seg_start = nullptr, u32* seg_cur = nullptr) {
   constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
   const int tid = threadIdx.x;
   const int base = (H_THREADS - 1 - tid) * PER;
@@ -443,14 +485,40 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
     }
   }
   __syncthreads();
+  if (seg_start != nullptr && sel[0] != 0xffffffffu && base + PER > (int)sel[0]) {
+    // keys in the bins above base + i, walking down from the thread's top bin (its 16 bins: 8 cursor words)
+    u32 above = before, st[PER];
+#pragma unroll
+    for (int i = PER - 1; i >= 0; --i) {
+      st[i] = above;
+      seg_start[base + i] = (unsigned short)above;
+      above += h[i];
+    }
+#pragma unroll
+    for (int i = 0; i < PER; i += 2) seg_cur[(base + i) >> 1] = (st[i] & 0xffffu) | (st[i + 1] << 16);  // below b*: unused
+  }
+  if (seg_start != nullptr) __syncthreads();
 }
+
+// Where the gather puts a candidate. Without seg: appended (cursor). With seg (boundary_bin's table, K > 256):
+// into its bin's segment, so the candidates end up grouped by bin in descending bin order; a candidate past its
+// segment's end (only if the gather and the histogram disagreed) is dropped and sets *bad.
+struct SegTable {
+  const unsigned short* start;  // per bin: its segment's start (boundary_bin's seg_start); null: append
+  u32* cur;                     // per bin: its cursor (two u16 per word)
+  u32 b0;                       // the boundary bin (the lowest segment)
+  u32 items;                    // counted keys at or above b0 (b0's segment ends there)
+  u32* bad;
+  __device__ __forceinline__ u32 end(u32 bin) const { return bin > b0 ? start[bin - 1] : items; }
+};
 
 // Appends the columns of group g (chunk g / GT, group g % GT of hist_pass) whose key is >= cut
 // and >= the chunk's bound (hist_pass's chunk_cut): exactly the columns the row histogram counted at or above
 // the boundary bin, so the gather collects as many candidates as the histogram promised.
-template <typename T, int VEC, int G>
+template <typename T, int VEC, int G, bool SEG>
 __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut,
-                                             const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor) {
+                                             const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor,
+                                             const SegTable& st) {
   constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
   const int t = g % GT, start = (g / GT) * CC;
   const int n = min(CC, V - start);
@@ -464,6 +532,20 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
   for (int e = 0; e < H_ELEMS; ++e)
     if (group_col<VEC, GT>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
   u32 pos = atomicAdd(cursor, (u32)__popc(mask));
+  if constexpr (SEG) {
+    while (mask) {  // re-read (an L1 hit), as hist_pass does: no dynamic index into raw, which would spill it
+      const int e = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const int col = start + group_col<VEC, GT>(e, t);
+      const u32 key = float_key(to_float(__ldg(row + col)));
+      const u32 bin = key >> H_SHIFT;  // >= b0: the key is >= cut, b0's lower edge
+      const u32 sh = 16 * (bin & 1);
+      const u32 p = (atomicAdd(st.cur + (bin >> 1), 1u << sh) >> sh) & 0xffffu;
+      if (bin >= st.b0 && p < st.end(bin) && p < (u32)cap) dst[p] = composite(key, (u32)col);
+      else *st.bad = 1u;
+    }
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < H_ELEMS; ++e)
     if (mask & (1u << e)) {
@@ -482,11 +564,11 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
 // past the list's GATHER_LIST entries is gathered by the thread that found it). Returns the number appended.
 #define GATHER_LOADS 4  // 32 entries per thread per round: one bit each in `live`
 #define GATHER_LIST 1024
-template <typename T, int VEC, int G>
+template <typename T, int VEC, int G, bool SEG>
 __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int V, int C,
                                                  const unsigned short* __restrict__ gbin,
                                                  const u32* __restrict__ ccut, u32 bsel, u64* dst, int cap,
-                                                 u32* cursor, u32* list, u32* listed) {
+                                                 u32* cursor, u32* list, u32* listed, const SegTable& st) {
   const u32 cut = bsel << H_SHIFT;
   const int nq = C * H_THREADS * G / 8;
   const uint4* gq = reinterpret_cast<const uint4*>(gbin);
@@ -512,12 +594,12 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
       const int g = (q0 + (b >> 3) * S_THREADS + (int)threadIdx.x) * 8 + (b & 7);
       const u32 slot = atomicAdd(listed, 1u);
       if (slot < GATHER_LIST) list[slot] = (u32)g;
-      else gather_group<T, VEC, G>(row, V, g, cut, ccut, dst, cap, cursor);
+      else gather_group<T, VEC, G, SEG>(row, V, g, cut, ccut, dst, cap, cursor, st);
     }
   }
   __syncthreads();  // the list is complete
   const int n = (int)min(*listed, (u32)GATHER_LIST);
-  for (int k = threadIdx.x; k < n; k += S_THREADS) gather_group<T, VEC, G>(row, V, (int)list[k], cut, ccut, dst, cap, cursor);
+  for (int k = threadIdx.x; k < n; k += S_THREADS) gather_group<T, VEC, G, SEG>(row, V, (int)list[k], cut, ccut, dst, cap, cursor, st);
   __syncthreads();
   return (int)min(*cursor, (u32)cap);
 }
@@ -564,6 +646,24 @@ __device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, 
   for (int i = got + tid; i < kout; i += S_THREADS) emit<MODE>(r, kout, i, 0ull, lse, out_vals, out_ids, id_offset);
 }
 
+// Writes the top kout of the `items` candidates that the gather placed by bin (SegTable): a candidate's rank is
+// its segment's start plus the number of larger candidates in its segment, so only candidates of one bin are
+// compared (K > 256: the many bins above the boundary hold few keys each).
+template <int MODE>
+__device__ __forceinline__ void emit_by_segment(const u64* src, const SegTable& st, int kout, int r, double lse,
+                                                float* __restrict__ out_vals, long long* __restrict__ out_ids,
+                                                long long id_offset) {
+  for (int i = threadIdx.x; i < (int)st.items; i += S_THREADS) {
+    const u64 w = src[i];
+    const u32 bin = (u32)(w >> (32 + H_SHIFT));
+    const u32 lo = st.start[bin], hi = st.end(bin);
+    u32 rank = lo;
+    for (u32 j = lo; j < hi; ++j) rank += src[j] > w;
+    if (rank < (u32)kout) emit<MODE>(r, kout, (int)rank, w, lse, out_vals, out_ids, id_offset);
+  }
+  for (int i = (int)st.items + threadIdx.x; i < kout; i += S_THREADS) emit<MODE>(r, kout, i, 0ull, lse, out_vals, out_ids, id_offset);
+}
+
 // Row r's logsumexp by warp 0 alone when C <= 32 (into *out; the other warps go on): the same operations in
 // the same order as row_lse<S_THREADS, MODE> (a lane per chunk, the same xor tree, the other warps' zero
 // sums added), so bit for bit its value.
@@ -589,8 +689,9 @@ __device__ __forceinline__ void row_lse_warp(const float* __restrict__ chunk_max
   }
 }
 
-// MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials).
-template <typename T, int VEC, int MODE, int G>
+// MODE 0: logprobs + ids; MODE 1: raw logits, ids + id_offset and the row lse (shard partials). WIDE (the
+// *_wide kernels, which the launcher picks for K > 256): the candidates are placed by bin and ranked within it.
+template <typename T, int VEC, int MODE, int G, bool WIDE>
 __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long long row_stride, int V, int K, int C,
                                             u32* __restrict__ ghist, const unsigned short* __restrict__ group_bin,
                                             const u32* __restrict__ chunk_cut, u64* __restrict__ cands,
@@ -606,13 +707,13 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   __shared__ float fscratch[32];
   __shared__ double dscratch[32];
   __shared__ double s_lse;
-  __shared__ u32 n_win, cursor, listed;
+  __shared__ u32 n_win, cursor, listed, seg_bad;
   __shared__ u32 list[GATHER_LIST];  // gather_candidates' live groups
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
   const u32 rr_hi = row_range[2 * r], rr_lo = row_range[2 * r + 1];  // issued first: the histogram loads wait on it
-  if (tid == 0) n_win = cursor = listed = 0;
+  if (tid == 0) n_win = cursor = listed = seg_bad = 0;
 
   // C <= 32 (V <= 262144): warp 0 computes the lse while the block finds the boundary bin (s_lse is read
   // after boundary_bin's barriers)
@@ -624,17 +725,36 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   }
 
   const T* row = logits + (long long)r * row_stride;
-  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel, H_BINS - (int)rr_lo, (int)rr_hi - 1);
+  // WIDE: the candidates are placed by bin (SegTable: the starts in hw, the cursors in seg_cur) and ranked within
+  // their bin
+  __shared__ u32 seg_cur[WIDE ? H_BINS / 2 : 1];
+  unsigned short* seg_start = WIDE ? reinterpret_cast<unsigned short*>(hw) : nullptr;
+  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel, H_BINS - (int)rr_lo, (int)rr_hi - 1, seg_start,
+               WIDE ? seg_cur : nullptr);
   if (tid == 0) row_range[2 * r] = row_range[2 * r + 1] = 0u;  // read by every thread before boundary_bin's barriers
   const double lse = s_lse;
   const u32 bsel = sel[0];
   const unsigned long long items = (unsigned long long)sel[1] + sel[2];  // counted keys with bin >= b*
   u64* src = hw;
   int got;
-  if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
+  // the segment path: every candidate in shared memory, and every bin with counts inside the table
+  const bool by_seg = WIDE && bsel != 0xffffffffu && items <= S_CACHE;
+  if (WIDE && by_seg) {
+    const SegTable st{seg_start, seg_cur, bsel, (u32)items, &seg_bad};
+    got = gather_candidates<T, VEC, G, true>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
+                                    bsel, cache, S_CACHE, &cursor, list, &listed, st);
+    if (!seg_bad && got == (int)items) {  // block-uniform (read after the gather's barrier)
+      emit_by_segment<MODE>(cache, st, kout, r, lse, out_vals, out_ids, id_offset);
+      if (MODE == 1 && tid == 0) out_lse[r] = lse;
+      return;
+    }
+    // the gather disagreed with the histogram (only with the error flag set): the exact select over the row
+    __syncthreads();
+    got = select_winners<S_THREADS>(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
+  } else if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
     u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
-    got = gather_candidates<T, VEC, G>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
-                                    bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor, list, &listed);
+    got = gather_candidates<T, VEC, G, false>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
+                                    bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor, list, &listed, SegTable{});
     if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
     else got = select_winners<S_THREADS>(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
   } else {
@@ -653,15 +773,18 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 // 4 resident blocks per SM (<= 64 registers; shared memory allows 5): one wave for up to 528 rows (bs 35 at
 // 15 depths) instead of 396 at the 80 registers the compiler picks unbounded, which left a tail wave at bs 32.
 #define SELECT_MIN_BLOCKS 4
-#define SELECT_KERNELS(SUFFIX, T, VEC, G)                                                                        \
+#define SELECT_KERNELS_W(SUFFIX, T, VEC, G, WIDE)                                                                \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_logprobs_##SUFFIX(    \
       const T* logits, SELECT_ARGS, u32* row_range, int* err) {                                                 \
-    hist_select<T, VEC, 0, G>(logits, SELECT_PASS, nullptr, 0, row_range, err);                                 \
+    hist_select<T, VEC, 0, G, WIDE>(logits, SELECT_PASS, nullptr, 0, row_range, err);                           \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(S_THREADS, SELECT_MIN_BLOCKS) hist_select_partials_##SUFFIX(    \
       const T* logits, SELECT_ARGS, double* out_lse, long long id_offset, u32* row_range, int* err) {           \
-    hist_select<T, VEC, 1, G>(logits, SELECT_PASS, out_lse, id_offset, row_range, err);                         \
+    hist_select<T, VEC, 1, G, WIDE>(logits, SELECT_PASS, out_lse, id_offset, row_range, err);                   \
   }
+#define SELECT_KERNELS(SUFFIX, T, VEC, G)        \
+  SELECT_KERNELS_W(SUFFIX, T, VEC, G, false)     \
+  SELECT_KERNELS_W(wide_##SUFFIX, T, VEC, G, true)
 
 SELECT_KERNELS(bf16_v8, unsigned short, 8, 1)
 SELECT_KERNELS(bf16_v8_g2, unsigned short, 8, 2)

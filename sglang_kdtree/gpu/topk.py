@@ -252,8 +252,11 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     if bf16 and aligned and rows * chunks >= HIST_G2_MIN_BLOCKS:
         suffix += "_g2"
         chunks = -(-v // (2 * CHUNK_COLS))
+    # 256 < K <= 1024 on bf16 rows: the pass that bounds its histogram from each thread's fourth-largest value
+    # (hist_pass's WIDE); the select that places the candidates by bin for every K > 256 (hist_select's WIDE)
+    wide = min(k, v) > HIST_THREADS
     with runtime.current_stream():
-        mod.get_function("hist_pass_" + suffix)(
+        mod.get_function(("hist_pass_wide_" if wide and bf16 else "hist_pass_") + suffix)(
             (chunks, rows), (HIST_THREADS,),
             (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
              _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_range),
@@ -262,11 +265,12 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
         args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
                 _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max),
                 _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
+        select = ("wide_" if wide else "") + suffix
         if mode == 0:
-            mod.get_function("hist_select_logprobs_" + suffix)((rows,), (HIST_THREADS,),
+            mod.get_function("hist_select_logprobs_" + select)((rows,), (HIST_THREADS,),
                                                                args + (_ptr(ws.row_range), _ptr(error_flag)))
         else:
-            mod.get_function("hist_select_partials_" + suffix)(
+            mod.get_function("hist_select_partials_" + select)(
                 (rows,), (HIST_THREADS,),
                 args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag)))
 

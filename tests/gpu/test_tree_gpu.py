@@ -399,6 +399,58 @@ def test_topk_histogram_rank_route_sizes(groups):
             assert torch.equal(ids, ids2)
     assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
 
+def test_topk_histogram_wide_k_bound_and_segments(groups):
+    """K in (256, 1024]: hist_pass's bound from each thread's fourth-largest value (bf16 full chunks) and
+    hist_select's by-bin placement (candidates grouped by bin, ranked within their bin), against the numpy
+    reference and the cut pipeline: peaked draft-like rows, heavy ties in and above the boundary bin, bins
+    spread over more than 2,000 bins (1e-20 .. 1e30: a logsumexp far from 1 too), -0.0 / 0.0 at the boundary, a row with
+    fewer finite values than K; fp32 and bf16, logprobs and TP partials, into poisoned outputs; the
+    histograms and bin ranges clean after every call."""
+    topk, _, _ = _gpu()
+    from sglang_kdtree.bench_gpu import peaked_logits
+
+    rng = np.random.default_rng(1515)
+    v = 163840
+    rows = [peaked_logits(1, 3, v, seed=3).float().cpu().numpy()[0, i] for i in range(3)]
+    x = np.clip(rng.normal(0, 1, size=v), -3.5, 3.5).astype(np.float32)
+    x[rng.permutation(v)[:700]] = rng.integers(40, 48, size=700) / 8.0  # 700 keys over 8 values, few bins
+    rows.append(x)
+    x = np.full(v, -1.0, dtype=np.float32)
+    x[rng.permutation(v)[:1100]] = np.exp(rng.uniform(-46, 69, size=1100))  # 1e-20 .. 1e30: > 1024 bins
+    rows.append(x)
+    x = rng.normal(-2, 1, size=v).astype(np.float32)
+    x[rng.permutation(v)[:900]] = -0.0
+    x[rng.permutation(v)[:300]] = 0.0
+    x[rng.permutation(v)[:200]] = rng.uniform(0.5, 3, size=200)
+    rows.append(x)
+    x = np.full(v, -np.inf, dtype=np.float32)
+    x[rng.permutation(v)[:400]] = rng.normal(0, 1, size=400)  # 400 finite: fewer than K for K > 400
+    rows.append(x)
+    x = np.stack(rows).astype(np.float32)
+    n = x.shape[0]
+    ws = topk.TopKWorkspace(n, v, 1024, "cuda", impl="histogram")
+    ws_cut = topk.TopKWorkspace(n, v, 1024, "cuda", impl="cut")
+    for dt in (torch.bfloat16, torch.float32):
+        t = torch.from_numpy(x).cuda().to(dt)
+        xn = t.float().cpu().numpy()
+        for k in (257, 300, 512, 777, 1024):
+            out = (torch.full((n * k,), 7.0, device="cuda"), torch.full((n * k,), -5, dtype=torch.int64, device="cuda"))
+            flag = topk.new_error_flag("cuda")
+            lp, ids = topk.topk_logprobs(t, k, workspace=ws, out=out, error_flag=flag)
+            torch.cuda.synchronize()
+            finite_rows = np.isfinite(xn).any(axis=-1).all()
+            assert finite_rows and int(flag.item()) == 0
+            _check_topk(xn, k, lp, ids)
+            lp2, ids2 = topk.topk_logprobs(t, k, workspace=ws_cut, check=True)
+            assert torch.equal(ids, ids2)
+            vals, sid, lse = topk.shard_topk_partials(t, k, 123, workspace=ws, check=True)
+            rv, ri, rl = ref.shard_topk_partials(xn, k, 123)
+            np.testing.assert_array_equal(sid.cpu().numpy(), ri)
+            np.testing.assert_array_equal(vals.cpu().numpy(), rv)
+            np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-6)
+            assert int(ws.hist.abs().sum()) == 0 and int(ws.row_range.abs().sum()) == 0
+
+
 def _sorted_rows(rng, bs, depth, k, tie_heavy):
     if tie_heavy:
         lp = -(rng.integers(0, 6, size=(bs, depth, k)) / 8.0)
