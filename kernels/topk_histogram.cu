@@ -500,11 +500,11 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32
   if (seg_start != nullptr) __syncthreads();
 }
 
-// Where the gather puts a candidate. Without seg: appended (cursor). With seg (boundary_bin's table, K > 256):
-// into its bin's segment, so the candidates end up grouped by bin in descending bin order; a candidate past its
-// segment's end (only if the gather and the histogram disagreed) is dropped and sets *bad.
+// Where the gather puts a candidate (gather_group's SEG): appended (cursor), or (the wide select, boundary_bin's
+// tables) into its bin's segment, so the candidates end up grouped by bin in descending bin order; a candidate past
+// its segment's end (only if the gather and the histogram disagreed) is dropped and sets *bad.
 struct SegTable {
-  const unsigned short* start;  // per bin: its segment's start (boundary_bin's seg_start); null: append
+  const unsigned short* start;  // per bin: its segment's start (boundary_bin's seg_start)
   u32* cur;                     // per bin: its cursor (two u16 per word)
   u32 b0;                       // the boundary bin (the lowest segment)
   u32 items;                    // counted keys at or above b0 (b0's segment ends there)
