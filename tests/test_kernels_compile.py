@@ -108,3 +108,30 @@ def test_compile_source_carries_the_headers_digest(tmp_path, monkeypatch):
         runtime.headers_digest.cache_clear()
     assert first != second
     assert first.endswith('#include "common.cuh"\n') and second.endswith('#include "common.cuh"\n')
+
+
+def test_histogram_launcher_names_are_ptx_entries():
+    """Every kernel name ``topk.hist_kernel_names`` can hand the histogram launcher (bf16 / fp32, aligned or not,
+    one or two groups, K on both sides of 256 and past V, both modes) is an entry of topk_histogram.cu's PTX, and
+    the WIDE kernels are chosen exactly for min(K, V) > 256 (the pass only for bf16 rows)."""
+    from sglang_kdtree.gpu import topk
+
+    nvrtc = _nvrtc()
+    name = "topk_histogram.cu"
+    prog = nvrtc.createProgram(runtime.kernel_source(name), name, [], [])
+    nvrtc.compileProgram(prog, ["-arch=compute_90", "--std=c++17", "-fmad=false", f"-I{runtime.kernels_dir()}"])
+    ptx = nvrtc.getPTX(prog)
+    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    seen = set()
+    for bf16 in (True, False):
+        for aligned in (True, False):
+            for g2 in ((False, True) if bf16 and aligned else (False,)):
+                for k, v in ((64, 163840), (256, 163840), (257, 163840), (1024, 163840), (1024, 200), (300, 257)):
+                    for mode in (0, 1):
+                        p, s = topk.hist_kernel_names(bf16, aligned, g2, k, v, mode)
+                        assert f".entry {p}(" in text and f".entry {s}(" in text, (p, s)
+                        wide = min(k, v) > 256
+                        assert ("wide_" in p) == (wide and bf16) and ("wide_" in s) == wide, (bf16, k, v, p, s)
+                        assert p.endswith("_g2") == g2 == s.endswith("_g2")
+                        seen |= {p, s}
+    assert len(seen) == 3 * 2 + 2 + 5 * 2 * 2  # passes: 3 bf16 x (plain, wide) + 2 fp32; selects: 5 x 2 modes x 2

@@ -32,6 +32,7 @@ __all__ = [
     "TOPK_ERRORS",
     "TopKWorkspace",
     "candidate_allowance",
+    "hist_kernel_names",
     "topk_logprobs",
     "shard_topk_partials",
     "merge_topk_partials",
@@ -239,6 +240,19 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
     return out_vals, out_ids, out_lse, error_flag
 
 
+def hist_kernel_names(bf16: bool, aligned: bool, g2: bool, k: int, v: int, mode: int) -> tuple[str, str]:
+    """The (hist_pass, hist_select) kernels of kernels/topk_histogram.cu for a call: bf16 or fp32 rows, 16-byte
+    aligned or not (vector loads), two groups per thread (``g2``: aligned bf16 of large batches), and K:
+    ``min(K, V) > 256`` takes the WIDE kernels (bf16: the pass whose chunk bound comes from each thread's
+    fourth-largest value; any dtype: the select that places the candidates by bin). ``mode`` 0: logprobs, 1:
+    TP shard partials."""
+    suffix = ("bf16_v" if bf16 else "f32_v") + (str(8 if bf16 else 4) if aligned else "1") + ("_g2" if g2 else "")
+    wide = min(k, v) > HIST_THREADS
+    pass_name = ("hist_pass_wide_" if wide and bf16 else "hist_pass_") + suffix
+    select_name = ("hist_select_logprobs_" if mode == 0 else "hist_select_partials_") + ("wide_" if wide else "") + suffix
+    return pass_name, select_name
+
+
 def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, out_vals, out_ids, out_lse,
                    error_flag):
     """hist_pass -> hist_select (see kernels/topk_histogram.cu)."""
@@ -248,15 +262,12 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     bf16 = flat.dtype == torch.bfloat16
     vec = 8 if bf16 else 4
     aligned = flat.data_ptr() % 16 == 0 and v % vec == 0 and (rows == 1 or row_stride % vec == 0)
-    suffix = ("bf16_v" if bf16 else "f32_v") + (str(vec) if aligned else "1")
-    if bf16 and aligned and rows * chunks >= HIST_G2_MIN_BLOCKS:
-        suffix += "_g2"
+    g2 = bf16 and aligned and rows * chunks >= HIST_G2_MIN_BLOCKS
+    if g2:
         chunks = -(-v // (2 * CHUNK_COLS))
-    # 256 < K <= 1024 on bf16 rows: the pass that bounds its histogram from each thread's fourth-largest value
-    # (hist_pass's WIDE); the select that places the candidates by bin for every K > 256 (hist_select's WIDE)
-    wide = min(k, v) > HIST_THREADS
+    pass_name, select_name = hist_kernel_names(bf16, aligned, g2, k, v, mode)
     with runtime.current_stream():
-        mod.get_function(("hist_pass_wide_" if wide and bf16 else "hist_pass_") + suffix)(
+        mod.get_function(pass_name)(
             (chunks, rows), (HIST_THREADS,),
             (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
              _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_range),
@@ -265,12 +276,10 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
         args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
                 _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max),
                 _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
-        select = ("wide_" if wide else "") + suffix
         if mode == 0:
-            mod.get_function("hist_select_logprobs_" + select)((rows,), (HIST_THREADS,),
-                                                               args + (_ptr(ws.row_range), _ptr(error_flag)))
+            mod.get_function(select_name)((rows,), (HIST_THREADS,), args + (_ptr(ws.row_range), _ptr(error_flag)))
         else:
-            mod.get_function("hist_select_partials_" + select)(
+            mod.get_function(select_name)(
                 (rows,), (HIST_THREADS,),
                 args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag)))
 
