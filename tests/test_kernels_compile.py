@@ -5,6 +5,7 @@ on a CPU machine too."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 
@@ -36,18 +37,24 @@ def test_every_kernel_is_listed():
     assert {"moe/moe_align.cu", "moe/moe_topk_sum.cu", "moe/silu_and_mul.cu"} <= set(KERNELS)
 
 
-@pytest.mark.parametrize("name", KERNELS)
-def test_kernel_compiles_with_nvrtc(name):
+@functools.cache
+def _ptx(name) -> str:
+    """kernels/<name> compiled with NVRTC (once per test session: two tests read topk_histogram.cu's PTX)."""
     nvrtc = _nvrtc()
-    source = runtime.kernel_source(name)
-    prog = nvrtc.createProgram(source, name, [], [])
+    prog = nvrtc.createProgram(runtime.kernel_source(name), name, [], [])
     try:
         nvrtc.compileProgram(prog, [f"-arch={ARCH_SPECIFIC.get(name, 'compute_90')}", "--std=c++17", "-fmad=false",
                                     f"-I{runtime.kernels_dir()}"])
     except Exception as exc:
         pytest.fail(f"{name} does not compile: {exc}\n{nvrtc.getProgramLog(prog)}")
     ptx = nvrtc.getPTX(prog)
-    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_compiles_with_nvrtc(name):
+    source = runtime.kernel_source(name)
+    text = _ptx(name)
     # kernels declared directly (those stamped out by a macro are covered by the PTX's own entry count)
     direct = "\n".join(line for line in source.splitlines() if not line.rstrip().endswith("\\"))
     entries = re.findall(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+'
@@ -116,12 +123,7 @@ def test_histogram_launcher_names_are_ptx_entries():
     the WIDE kernels are chosen exactly for min(K, V) > 256 (the pass only for bf16 rows)."""
     from sglang_kdtree.gpu import topk
 
-    nvrtc = _nvrtc()
-    name = "topk_histogram.cu"
-    prog = nvrtc.createProgram(runtime.kernel_source(name), name, [], [])
-    nvrtc.compileProgram(prog, ["-arch=compute_90", "--std=c++17", "-fmad=false", f"-I{runtime.kernels_dir()}"])
-    ptx = nvrtc.getPTX(prog)
-    text = ptx.decode() if isinstance(ptx, bytes) else ptx
+    text = _ptx("topk_histogram.cu")
     seen = set()
     for bf16 in (True, False):
         for aligned in (True, False):
