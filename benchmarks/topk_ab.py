@@ -2,7 +2,9 @@
 ``sglang_kdtree.gpu.topk`` (``--impls``: "histogram", "cut"; with other NVRTC variants) and an older launcher
 module when one is importable, all from the same
 run, as replayed CUDA graphs of one ``topk_logprobs`` call (the real GPU time, no Python launch overhead)
-and eagerly. Prints one row per (batch, budget) plus the HBM floor (logits bytes / measured copy bandwidth).
+and eagerly. Prints one row per (batch, budget) plus the HBM floor (logits bytes / measured copy bandwidth) and
+the time of one streaming read of the same logits (``torch.amax`` over the vocabulary, a replayed graph): what
+any one-kernel pass over them costs at that batch, launch and tail included.
 
     python benchmarks/topk_ab.py [--impls histogram cut] [--old sglang_kdtree.gpu.topk_old] [--variant ...]
 """
@@ -53,8 +55,10 @@ def main(argv=None) -> int:
     for bs in a.batches:
         logits = peaked_logits(bs, depth, vocab, seed=bs)
         floor = floor_us(logits.numel() * 2, bw)
+        amax_out = torch.empty(logits.shape[:-1], dtype=logits.dtype, device="cuda")
+        read = graph_us(lambda: torch.amax(logits, dim=-1, out=amax_out))
         for budget in a.budgets:
-            row = {"batch": bs, "budget": budget, "floor_us": floor}
+            row = {"batch": bs, "budget": budget, "floor_us": floor, "read_us": read}
             ref_ids = None
             for name, mod, opts, impl in impls:
                 if mod is new:
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
         del logits
         torch.cuda.empty_cache()
     names = [n for n, _, _, _ in impls]
-    head = f"{'bs':>3} {'B':>4} {'floor':>6} | " + " | ".join(f"{n + ' graph':>16} {'%fl':>4} {'eager':>7}" for n in names)
+    head = f"{'bs':>3} {'B':>4} {'floor':>6} {'read':>6} | " + " | ".join(f"{n + ' graph':>16} {'%fl':>4} {'eager':>7}" for n in names)
     print(head)
     for r in rows_out:
         cells = []
@@ -92,9 +96,9 @@ def main(argv=None) -> int:
             g = r[f"{n}_graph_us"]
             cells.append(f"{g:16.1f} {100 * r['floor_us'] / g:3.0f}% {r[f'{n}_eager_us']:7.1f}"
                          + ("" if r[f"{n}_same_ids"] else " DIFF"))
-        print(f"{r['batch']:>3} {r['budget']:>4} {r['floor_us']:6.1f} | " + " | ".join(cells))
+        print(f"{r['batch']:>3} {r['budget']:>4} {r['floor_us']:6.1f} {r['read_us']:6.1f} | " + " | ".join(cells))
     print(f"us; graph = replayed CUDA graph of one topk call; %fl = HBM floor / graph time; copy bw {bw / 1e12:.2f} TB/s;"
-          " DIFF = ids differ from the first column")
+          " read = torch.amax over the same logits (one streaming pass, graph); DIFF = ids differ from the first column")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows_out, f, indent=1)
