@@ -378,19 +378,6 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 // (tests/test_tree_list_bound.py checks this bound on a CPU model of the list.)
 // ---------------------------------------------------------------------------------------------------
 
-// The three staged log-probs a candidate's pop reads: its own (cur), its next sibling's (nxt; cur when it has none)
-// and its depth's successor's first (first; S[0] when it has none). Loaded for a candidate before it is known to
-// be the next head (see list_tree), so the indices are clamped into S for metas that are not real candidates
-// (an empty position's 0, a child past depth L, a sibling past rank KS - 1): those values are never used.
-struct Kids {
-  double cur, nxt, first;
-};
-__device__ __forceinline__ Kids kids_of(const double* S, u32 m, int L, int KS) {
-  const int depth = min(max(meta_depth(m), 1), L), rank = min(meta_rank(m), KS - 1);
-  const int at = (depth - 1) * KS + rank;
-  return {S[at], S[at + (rank + 1 < KS ? 1 : 0)], S[depth < L ? depth * KS : 0]};
-}
-
 template <int J>
 __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int budget, short* node_parent,
                                          short* node_rank, signed char* node_depth, double* node_score) {
@@ -402,27 +389,21 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int bud
     sc[j] = -INFINITY;
     mt[j] = 0u;
   }
-  double hs = -INFINITY;  // the head (position 0), uniform, and its staged log-probs
+  double hs = -INFINITY;  // the head (position 0), uniform
   u32 hm = 0u;
-  Kids hk{0.0, 0.0, 0.0};
   if (budget > 0 && L > 0 && isfinite(S[0])) {
     hs = S[0];
     hm = pack(0, 0, 1);
-    hk = kids_of(S, hm, L, KS);
     if (lane == 0) {
       sc[0] = hs;
       mt[0] = hm;
     }
   }
   int n = 0;
-  // The next head is a (the better new candidate) or old[1]. Both are known before the list is rebuilt, and so are
-  // their staged log-probs (loaded for both, used for one), so the next pop's chain (head -> its children's scores
-  // -> a -> a against old[1]) does not wait for the rebuild's ballots; the rebuild runs beside it.
   while (hs > -INFINITY && n < budget) {
     // old[1] (lane 1, register 0): the next head unless a is better than it
     const double o1s = __shfl_sync(FULL, sc[0], 1);
     const u32 o1m = __shfl_sync(FULL, mt[0], 1);
-    const Kids o1k = kids_of(S, o1m, L, KS);
 
     ++n;
     const int parent = meta_parent(hm), rank = meta_rank(hm), depth = meta_depth(hm);
@@ -430,24 +411,22 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int bud
     node_rank[n] = (short)rank;
     node_depth[n] = (signed char)depth;
     node_score[n] = hs;
+    const int row = (depth - 1) * KS;
     const bool has_next = rank + 1 < KS;  // KS = min(K, budget + 1): rank KS can never be popped
     const bool has_first = depth < L;
-    const double ss0 = __dadd_rn(__dsub_rn(hs, hk.cur), hk.nxt);
-    const double cs0 = __dadd_rn(hs, hk.first);
+    const double cur = S[row + rank];
+    const double nxt = S[row + rank + (has_next ? 1 : 0)];
+    const double first = S[has_first ? depth * KS : 0];
+    const double ss0 = __dadd_rn(__dsub_rn(hs, cur), nxt);
+    const double cs0 = __dadd_rn(hs, first);
     // Scores compare as doubles: -0.0 == +0.0 is an exact tie, as in the reference; -inf marks "not pushed"
     // (a finite score's candidate only: a non-finite log-prob is never pushed).
-    const bool sok = has_next & isfinite(hk.nxt), cok = has_first & isfinite(hk.first);
+    const bool sok = has_next & isfinite(nxt), cok = has_first & isfinite(first);
     const double ss = sok ? ss0 : -INFINITY, cs = cok ? cs0 : -INFINITY;
     const u32 sm = pack(parent, rank + 1, depth), cm = pack(n, 0, depth + 1);
     const bool child_first = cs >= ss;
     const double as = child_first ? cs : ss, bsc = child_first ? ss : cs;
     const u32 ma = child_first ? cm : sm, mb = child_first ? sm : cm;
-    const Kids ak = kids_of(S, ma, L, KS);
-
-    // the next head: old[1] when it is better than a (the order of the ballots below; on equal finite scores the
-    // smaller rank tuple, node n being this lane's own write), else a
-    bool o1_better = o1s > as;
-    if (o1s == as && o1s > -INFINITY) o1_better = tuple_less(o1m, ma, node_parent, node_rank);
 
     // Old positions q >= 1 better than a / than b (a prefix of the list each).
     bool ga[J], gb[J];
@@ -505,9 +484,8 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int bud
       sc[j] = s_new;
       mt[j] = m_new;
     }
-    hs = o1_better ? o1s : as;  // = the rebuilt position 0 (pa == 0 exactly when old[1] is not better than a)
-    hm = o1_better ? o1m : ma;
-    hk = o1_better ? o1k : ak;
+    hs = pa == 0 ? as : o1s;
+    hm = pa == 0 ? ma : o1m;
   }
   return n;
 }
