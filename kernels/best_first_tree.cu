@@ -83,20 +83,6 @@ __device__ __forceinline__ void stage_rows(T* S, const float* lp, int L, int K, 
   }
 }
 
-// The list kernels' staging: S[L + 1][KS + 1] doubles, S[d][k] = lp[d][k] (k < KS, d < L) widened exactly, with every
-// non-finite value (-inf, and NaN / +inf, which the validation flags) staged as -inf; column KS and row L are -inf.
-// A pop then reads its sibling's and its first child's log-probs without bounds checks: a candidate that does not
-// exist (rank KS, depth L + 1) or whose log-prob is not finite gets the score -inf, "not pushed", as the checks gave.
-__device__ __forceinline__ void stage_rows_padded(double* S, const float* lp, int L, int K, int KS) {
-  const int W = KS + 1, staged = (L + 1) * W;
-#pragma unroll 8
-  for (int i = threadIdx.x; i < staged; i += blockDim.x) {
-    const int d = i / W, k = i - d * W;
-    const float x = d < L && k < KS ? lp[d * K + k] : -INFINITY;
-    S[i] = isfinite(x) ? (double)x : -INFINITY;
-  }
-}
-
 // Node 0 (the root) of the node arrays, and no node popped yet (thread 0, before the block's first barrier).
 __device__ __forceinline__ void init_root(short* node_parent, short* node_rank, signed char* node_depth,
                                           double* node_score, int* s_nodes) {
@@ -365,8 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 // ---------------------------------------------------------------------------------------------------
 // The sorted-list variant, for budget <= 64 * J (J = 1, 2, 4; 32 * J list positions): the same contract, arguments,
 // outputs, error bits and launch shape as build_trees_kernel, and the same pop order (the order is total, so any
-// exact priority queue reproduces it). Dynamic shared memory: (L + 1) * (KS + 1) doubles (the log-probs widened once,
-// padded with -inf: stage_rows_padded).
+// exact priority queue reproduces it). Dynamic shared memory: L * KS doubles (the log-probs widened once).
 //
 // Warp 0 keeps the candidates as one list sorted best first, position p = j * 32 + lane in register j of that
 // lane: the float64 score (-inf = empty; every candidate's score is finite) and the meta. The head
@@ -426,16 +411,18 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int bud
     node_rank[n] = (short)rank;
     node_depth[n] = (signed char)depth;
     node_score[n] = hs;
-    // S is stage_rows_padded's: rank KS (never popped: KS = min(K, budget + 1)), depth L + 1 and non-finite
-    // log-probs read -inf, so the sibling's and the child's scores are -inf exactly when they are not pushed
-    const int at = (depth - 1) * (KS + 1) + rank;
-    const double cur = S[at];
-    const double nxt = S[at + 1];
-    const double first = S[depth * (KS + 1)];
+    const int row = (depth - 1) * KS;
+    const bool has_next = rank + 1 < KS;  // KS = min(K, budget + 1): rank KS can never be popped
+    const bool has_first = depth < L;
+    const double cur = S[row + rank];
+    const double nxt = S[row + rank + (has_next ? 1 : 0)];
+    const double first = S[has_first ? depth * KS : 0];
+    const double ss0 = __dadd_rn(__dsub_rn(hs, cur), nxt);
+    const double cs0 = __dadd_rn(hs, first);
     // Scores compare as doubles: -0.0 == +0.0 is an exact tie, as in the reference; -inf marks "not pushed"
-    // ((hs - cur) + -inf and hs + -inf are -inf: hs and cur are finite).
-    const double ss = __dadd_rn(__dsub_rn(hs, cur), nxt);
-    const double cs = __dadd_rn(hs, first);
+    // (a finite score's candidate only: a non-finite log-prob is never pushed).
+    const bool sok = has_next & isfinite(nxt), cok = has_first & isfinite(first);
+    const double ss = sok ? ss0 : -INFINITY, cs = cok ? cs0 : -INFINITY;
     const u32 sm = pack(parent, rank + 1, depth), cm = pack(n, 0, depth + 1);
     const bool child_first = cs >= ss;
     const double as = child_first ? cs : ss, bsc = child_first ? ss : cs;
@@ -509,7 +496,7 @@ __device__ __forceinline__ void build_trees_list(
     const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens,
     long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,
     double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {
-  extern __shared__ double S_list[];  // [L + 1][KS + 1] (stage_rows_padded; a name of its own: S is extern "C")
+  extern __shared__ double S_list[];  // [L][KS] (the dynamic shared memory; a name of its own: S is extern "C")
   double* S = S_list;
   __shared__ double node_score[64 * J + 1];
   __shared__ short node_parent[64 * J + 1];
@@ -520,7 +507,7 @@ __device__ __forceinline__ void build_trees_list(
   const int tid = threadIdx.x, b = blockIdx.x;
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
-  stage_rows_padded(S, lp, L, K, KS);
+  stage_rows(S, lp, L, K, KS);
   if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
   if (tid < 32) {

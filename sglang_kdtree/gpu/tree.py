@@ -161,8 +161,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     roots = root_tokens.contiguous()
     ks = min(k, width) if k else 1  # ranks >= budget + 1 can never be pushed
     name = _tree_kernel_name(max(budget, 0))
-    # the heap kernel stages [L][KS] floats; the list kernels [L + 1][KS + 1] doubles (stage_rows_padded)
-    smem = max(depth, 1) * ks * 4 if name == "build_trees_kernel" else (depth + 1) * (ks + 1) * 8
+    smem = max(depth, 1) * ks * (4 if name == "build_trees_kernel" else 8)  # the list kernels stage doubles
     fn = runtime.load_module(_KERNEL).get_function(name)
     static_smem = _STATIC_SMEM.get(name)
     if static_smem is None:
