@@ -4,7 +4,8 @@ module when one is importable, all from the same
 run, as replayed CUDA graphs of one ``topk_logprobs`` call (the real GPU time, no Python launch overhead)
 and eagerly. Prints one row per (batch, budget) plus the HBM floor (logits bytes / measured copy bandwidth) and
 the time of one streaming read of the same logits (``torch.amax`` over the vocabulary, a replayed graph): what
-any one-kernel pass over them costs at that batch, launch and tail included.
+torch's own one-pass reduction over them costs at that batch, launch and tail included (a reference point, not a
+bound: a tuned pass can beat it, as hist_pass does at batch 1 and 8).
 
     python benchmarks/topk_ab.py [--impls histogram cut] [--old sglang_kdtree.gpu.topk_old] [--variant ...]
 """
