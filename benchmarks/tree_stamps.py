@@ -7,7 +7,7 @@ loop (warp 0), the input validation (warps 1-3, beside it), the write-out; plus 
 Inputs: the histogram top-K (K 64) of ``bench_gpu.peaked_logits`` [bs, 15, 163840], and the same shape with heavy
 exact ties (log-probs on a 1/4 grid). ``--old`` times an older copy of the kernel file beside the working tree's, same
 inputs, and checks that every output is identical to it. The stamps need ``build_trees_list``'s body as this file
-expects it (an assertion names the kernel text it could not find).
+expects it (otherwise the CLI exits naming the kernel text it could not find).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def stamped_source(text: str, name: str) -> str:
             raise SystemExit(f"{name}: build_trees_list's body is not the one this script stamps (missing {part[:60]!r})")
     text = text.replace('#include "common.cuh"', '#include "common.cuh"\n' + HEAD, 1)
     text = text.replace(BODY, STAMPED).replace(END, END_STAMPED)
-    return runtime.compile_source("best_first_tree.cu").split("\n", 1)[0] + "\n" + text  # the headers' digest line
+    return f"// kernels/*.cuh sha256 {runtime.headers_digest()}\n" + text  # the digest line, as compile_source writes it
 
 
 def run_copy(text, name, lp, ids, bs):
