@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-# the kernel text the stamps go around (build_trees_list's body), and the stamped version
-BODY = """  stage_rows(S, lp, L, K, KS);
+# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, and the
+# padded-rows list since), and where they go: after which line of the body
+BODIES = ("""  stage_rows(S, lp, L, K, KS);
   if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
   if (tid < 32) {
@@ -28,28 +29,35 @@ BODY = """  stage_rows(S, lp, L, K, KS);
     if (tid == 0) s_nodes = n;
   }
   validate_rows(lp, ids, L, K, err);
-  __syncthreads();"""
-STAMPED = """  if (tid == 0) { STAMP(0); unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); if (b == 0) g_st[10] = g; }
-  stage_rows(S, lp, L, K, KS);
-  if (tid == 0) STAMP(1);
-  if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
+  __syncthreads();""", """  stage_rows_padded(S, lp, L, K, KS);
+  if (tid == 0) s_nodes = 0;
   __syncthreads();
-  if (tid == 0) STAMP(2);
   if (tid < 32) {
-    const int n = list_tree<J>(S, L, KS, budget, node_parent, node_rank, node_depth, node_score);
+    const int n = list_tree<J>(S, L, stride, budget, node_meta, node_score);
     if (tid == 0) s_nodes = n;
   }
-  if (tid == 0) STAMP(3);
   validate_rows(lp, ids, L, K, err);
-  if (tid == 32) STAMP(4);
-  __syncthreads();
-  if (tid == 0) STAMP(5);"""
-END = """             depths, parents, ranks, scores, num_nodes);
+  __syncthreads();""")
+GLOBAL_T = 'unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); if (b == 0) g_st[{}] = g;'
+STAMPS_AFTER = {0: "  if (tid == 0) STAMP(1);", 2: "  if (tid == 0) STAMP(2);", 6: "  if (tid == 0) STAMP(3);",
+                7: "  if (tid == 32) STAMP(4);", 8: "  if (tid == 0) STAMP(5);"}
+
+
+def stamped_body(body: str) -> str:
+    out = ["  if (tid == 0) { STAMP(0); " + GLOBAL_T.format(10) + " }"]
+    for i, line in enumerate(body.split("\n")):
+        out.append(line)
+        if i in STAMPS_AFTER:
+            out.append(STAMPS_AFTER[i])
+    return "\n".join(out)
+
+
+END = """scores, num_nodes);
 }
 
 // build_trees_list<J> for budget <= 64 * J"""
-END_STAMPED = """             depths, parents, ranks, scores, num_nodes);
-  if (tid == 0) { STAMP(6); unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); if (b == 0) g_st[11] = g; }
+END_STAMPED = """scores, num_nodes);
+  if (tid == 0) { STAMP(6); """ + GLOBAL_T.format(11) + """ }
 }
 
 // build_trees_list<J> for budget <= 64 * J"""
@@ -61,11 +69,13 @@ PHASES = ("stage", "sync", "pops", "validate", "sync2", "write")
 def stamped_source(text: str, name: str) -> str:
     from sglang_kdtree.gpu import runtime
 
-    for part in (BODY, END, '#include "common.cuh"'):
-        if part not in text:
-            raise SystemExit(f"{name}: build_trees_list's body is not the one this script stamps (missing {part[:60]!r})")
+    body = next((b for b in BODIES if b in text), None)
+    for part in (body, END, '#include "common.cuh"'):
+        if part is None or part not in text:
+            missing = "build_trees_list's body" if part is None else repr(part[:60])
+            raise SystemExit(f"{name}: build_trees_list is not one this script stamps (missing {missing})")
     text = text.replace('#include "common.cuh"', '#include "common.cuh"\n' + HEAD, 1)
-    text = text.replace(BODY, STAMPED).replace(END, END_STAMPED)
+    text = text.replace(body, stamped_body(body)).replace(END, END_STAMPED)
     return f"// kernels/*.cuh sha256 {runtime.headers_digest()}\n" + text  # the digest line, as compile_source writes it
 
 
@@ -93,7 +103,7 @@ def run_copy(text, name, lp, ids, bs):
 
     def call():
         with runtime.current_stream():
-            fn((bs,), (128,), args, shared_mem=depth * ks * 8)
+            fn((bs,), (128,), args, shared_mem=(depth + 1) * (ks + 1) * 8)  # enough for either list layout
 
     graph, _ = capture_graph(call)
     us = cuda_time_us(lambda: [graph.replay() for _ in range(20)], calls=20, trials=5)

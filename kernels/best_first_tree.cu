@@ -115,9 +115,10 @@ __device__ __forceinline__ void validate_rows(const float* lp, const long long* 
 }
 
 // Cooperative write-out of the finished tree of n nodes, padded to N rows (after a __syncthreads).
+// node(i) gives node i's (depth, rank, parent) as an int3 (x, y, z).
+template <typename Node>
 __device__ __forceinline__ void write_tree(int b, int N, int n, const long long* ids, int K,
-                                           const long long* __restrict__ root_tokens, const short* node_parent,
-                                           const short* node_rank, const signed char* node_depth,
+                                           const long long* __restrict__ root_tokens, Node node,
                                            const double* node_score, long long* __restrict__ tokens,
                                            long long* __restrict__ depths, long long* __restrict__ parents,
                                            long long* __restrict__ ranks, double* __restrict__ scores,
@@ -132,10 +133,11 @@ __device__ __forceinline__ void write_tree(int b, int N, int n, const long long*
       ranks[row] = -1;
       scores[row] = 0.0;
     } else if (i <= n) {
-      const int d = node_depth[i], r = node_rank[i];
+      const int3 v = node(i);
+      const int d = v.x, r = v.y;
       tokens[row + i] = ids[(d - 1) * K + r];
       depths[row + i] = d;
-      parents[row + i] = node_parent[i];
+      parents[row + i] = v.z;
       ranks[row + i] = r;
       scores[row + i] = node_score[i];
     } else {
@@ -344,32 +346,39 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 
   validate_rows(lp, ids, L, K, err);
   __syncthreads();
-  write_tree(b, N, s_nodes, ids, K, root_tokens, node_parent, node_rank, node_depth, node_score, tokens, depths,
-             parents, ranks, scores, num_nodes);
+  write_tree(b, N, s_nodes, ids, K, root_tokens,
+             [&](int i) { return make_int3(node_depth[i], node_rank[i], node_parent[i]); }, node_score, tokens,
+             depths, parents, ranks, scores, num_nodes);
 }
 
 // ---------------------------------------------------------------------------------------------------
 // The sorted-list variant, for budget <= 64 * J (J = 1, 2, 4; 32 * J list positions): the same contract, arguments,
 // outputs, error bits and launch shape as build_trees_kernel, and the same pop order (the order is total, so any
-// exact priority queue reproduces it). Dynamic shared memory: L * KS doubles (the log-probs widened once).
+// exact priority queue reproduces it). Dynamic shared memory: L * (KS + 1) + 1 doubles.
+//
+// The log-probs are staged widened to double (exact) in rows of KS + 1: column KS, one entry after the last row, and
+// every non-finite input hold -inf. The reference pushes a candidate only when its log-prob is finite; here such a
+// candidate gets the score -inf, which marks "not pushed" (below every finite score, never popped). So a pop reads
+// its next sibling's and its first child's log-probs with no bounds or finiteness tests.
+//
+// A candidate (and a node) is one u32 `meta`: the byte offset of its own log-prob in the staged rows (16 bits), its
+// depth (5 bits), its parent node (11 bits). The next sibling's meta is meta + 8; the first child's is
+// (8 * depth * (KS + 1), depth + 1, n).
 //
 // Warp 0 keeps the candidates as one list sorted best first, position p = j * 32 + lane in register j of that
-// lane: the float64 score (-inf = empty; every candidate's score is finite) and the meta. The head
-// (position 0) is known to every lane. A pop writes the head as node n, computes its sibling and first child
-// (the same float64 formulas), orders the two (a before b; on equal scores the child, whose rank tuple is the
-// head's plus (0,) and so smaller than the sibling's), counts with two ballots per register how many old
-// positions q >= 1 are better than a (pa) and than b (pb), and rebuilds every position at once from two
-// shuffles per word:
+// lane: the float64 score (-inf = empty) and the meta. The head (position 0) is known to every lane. A pop writes the
+// head as node n, computes its sibling and first child (sibling = (score - S[d][r]) + S[d][r+1], child = score +
+// S[d+1][0]), orders the two (a before b; on equal scores the child, whose rank tuple is the head's plus (0,) and so
+// smaller than the sibling's), counts with two ballots per register how many old positions q >= 1 are better than
+// a (pa) and than b (pb), and rebuilds every position at once:
 //     new[i] = old[i+1] (i < pa), a (i == pa), old[i] (pa < i <= pb), b (i == pb + 1), old[i-1] (i > pb + 1).
-// Scores compare as doubles (equal exactly when the reference's do; -0.0 == +0.0), and a candidate not pushed
-// has score -inf, below every finite score, so "nothing pushed" needs no special case. The next head
-// is a (pa == 0) or old[1] (shuffled at the top of the pop), so the rebuild is off the next pop's critical path.
-// The loop is branch-free but for equal scores between an old position and a or b (exact ties), which take the
-// rank-tuple walk after a __syncwarp that publishes node n.
+// The next head is a (pa == 0) or old[1].
 //
-// The pop loop is one warp's dependent instruction chain (ncu: fixed-latency waits, not memory), so it is kept
-// short: the log-probs are staged as doubles (no conversion in the loop), scores are compared as doubles (no
-// order keys), every lane writes node n's fields (same value, same address: no branch).
+// The pop loop is one warp's dependent chain (head -> log-prob loads -> float64 sums -> ballots -> next head), so
+// what does not depend on the head is issued first: old[1] and both neighbours' entries for the rebuild are shuffled
+// at the top of the pop. Scores compare as doubles (equal exactly when the reference's do; -0.0 == +0.0). Exact
+// score ties between an old position and a or b (rare) take the rank-tuple walk after a __syncwarp that publishes
+// node n, and its ballots replace the untied ones.
 //
 // Only C = 32 * J positions are kept; what shifts past the end is dropped. That is exact for budget <= 2 * C =
 // 64 * J: after n pops the list holds at most n + 1 candidates, so something is dropped only when n + 1 > C; a
@@ -378,11 +387,97 @@ extern "C" __global__ void __launch_bounds__(128) build_trees_kernel(
 // (tests/test_tree_list_bound.py checks this bound on a CPU model of the list.)
 // ---------------------------------------------------------------------------------------------------
 
+#define LM_DEPTH_SHIFT 16
+#define LM_PARENT_SHIFT 21
+// byte offset < 2^16 (8 * (L * (KS + 1) + 1) <= 8 * (31 * 258 + 1)), depth <= 31, parent <= 256
+__device__ __forceinline__ u32 lm_pack(int off, int depth, int parent) {
+  return (u32)off | ((u32)depth << LM_DEPTH_SHIFT) | ((u32)parent << LM_PARENT_SHIFT);
+}
+__device__ __forceinline__ int lm_off(u32 m) { return (int)(m & 0xffffu); }
+__device__ __forceinline__ int lm_depth(u32 m) { return (int)((m >> LM_DEPTH_SHIFT) & 31u); }
+__device__ __forceinline__ int lm_parent(u32 m) { return (int)(m >> LM_PARENT_SHIFT); }
+
+// tuple_less for list metas: a position at depth d is (parent node, staged offset), and staged offsets of one row
+// order like ranks.
+__device__ __forceinline__ bool meta_tuple_less(u32 a, u32 b, const u32* node_meta) {
+  int pa = lm_parent(a), oa = lm_off(a), da = lm_depth(a);
+  int pb = lm_parent(b), ob = lm_off(b), db = lm_depth(b);
+  const int da0 = da, db0 = db;
+  while (da > db) { const u32 m = node_meta[pa]; oa = lm_off(m); pa = lm_parent(m); --da; }
+  while (db > da) { const u32 m = node_meta[pb]; ob = lm_off(m); pb = lm_parent(m); --db; }
+  if (pa == pb && oa == ob) return da0 < db0;  // one is a prefix of the other: the shorter is smaller
+  while (pa != pb) {
+    const u32 ma = node_meta[pa], mb = node_meta[pb];
+    oa = lm_off(ma); pa = lm_parent(ma);
+    ob = lm_off(mb); pb = lm_parent(mb);
+  }
+  return oa < ob;
+}
+
+// Stage one request's usable log-probs as S[L][KS + 1] doubles plus one entry, -inf where described above: a warp
+// per row (no index division), every load of a thread issued before its stores.
+__device__ __forceinline__ void stage_rows_padded(double* S, const float* lp, int L, int K, int KS) {
+  const int stride = KS + 1, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int d = threadIdx.x >> 5; d < L; d += warps) {
+    const float* src = lp + d * K;
+    double* dst = S + d * stride;
+    for (int k0 = 0; k0 <= KS; k0 += 128) {
+      float x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int k = k0 + u * 32 + lane;
+        x[u] = k < KS ? src[k] : -INFINITY;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int k = k0 + u * 32 + lane;
+        if (k <= KS) dst[k] = isfinite(x[u]) ? (double)x[u] : -INFINITY;
+      }
+    }
+  }
+  if (threadIdx.x == 0) S[L * stride] = -INFINITY;
+}
+
+// A value the compiler must keep in a register: it cannot recompute it inside the pop loop (ptxas otherwise re-reads
+// the thread index every pop).
+__device__ __forceinline__ u32 opaque(u32 x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+// Shared-memory addresses (32-bit, shared window) read back from shared memory with volatile loads: ptxas keeps them
+// in registers instead of rebuilding them from the CTA's window base (S2R + LEA) ahead of every pop's staged loads.
+// `slots` (3 words) is scratch that nothing reads before the second __syncwarp.
+__device__ __forceinline__ void shared_addrs_kept(const void* p0, const void* p1, const void* p2, u32* slots,
+                                                  u32& a0, u32& a1, u32& a2) {
+  slots[0] = (u32)__cvta_generic_to_shared(p0);
+  slots[1] = (u32)__cvta_generic_to_shared(p1);
+  slots[2] = (u32)__cvta_generic_to_shared(p2);
+  __syncwarp();
+  const u32 s = (u32)__cvta_generic_to_shared(slots);
+  asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(a0) : "r"(s));
+  asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(a1) : "r"(s + 4u));
+  asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(a2) : "r"(s + 8u));
+  __syncwarp();
+}
+
+__device__ __forceinline__ double lds_f64(u32 addr) {
+  double v;
+  asm("ld.shared.f64 %0, [%1];" : "=d"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts_node(u32 meta_addr, u32 meta, u32 score_addr, double score) {
+  asm volatile("st.shared.u32 [%0], %1;\n\tst.shared.f64 [%2], %3;" ::"r"(meta_addr), "r"(meta), "r"(score_addr),
+               "d"(score) : "memory");
+}
+
 template <int J>
-__device__ __forceinline__ int list_tree(const double* S, int L, int KS, int budget, short* node_parent,
-                                         short* node_rank, signed char* node_depth, double* node_score) {
-  const int lane = threadIdx.x & 31;
-  double sc[J];  // position j * 32 + lane: score (-inf = empty: every candidate's score is finite), meta
+__device__ __forceinline__ int list_tree(const double* S, int L, int stride, int budget, u32* node_meta,
+                                         double* node_score) {
+  const int stride8 = 8 * stride;
+  const int lane = (int)opaque(threadIdx.x & 31);
+  u32 s_base, meta_base, score_base;  // node_meta[0..2]: scratch (the root's meta is never read)
+  shared_addrs_kept(S, node_meta, node_score, node_meta, s_base, meta_base, score_base);
+  double sc[J];  // position j * 32 + lane: score (-inf = empty), meta
   u32 mt[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -391,98 +486,108 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int KS, int bud
   }
   double hs = -INFINITY;  // the head (position 0), uniform
   u32 hm = 0u;
-  if (budget > 0 && L > 0 && isfinite(S[0])) {
+  if (budget > 0 && L > 0 && S[0] > -INFINITY) {
     hs = S[0];
-    hm = pack(0, 0, 1);
+    hm = lm_pack(0, 1, 0);
     if (lane == 0) {
       sc[0] = hs;
       mt[0] = hm;
     }
   }
+  const int next_lane = (int)opaque((lane + 1) & 31), prev_lane = (int)opaque((lane + 31) & 31);
   int n = 0;
   while (hs > -INFINITY && n < budget) {
-    // old[1] (lane 1, register 0): the next head unless a is better than it
+    // Off the head's chain: old[1] (lane 1, register 0: the next head unless a is better) and, for the rebuild,
+    // old[i+1] from the next lane (lane 31: register j+1's lane 0) and old[i-1] from the previous lane (lane 0:
+    // register j-1's lane 31).
     const double o1s = __shfl_sync(FULL, sc[0], 1);
     const u32 o1m = __shfl_sync(FULL, mt[0], 1);
+    double dn_s[J], up_s[J];
+    u32 dn_m[J], up_m[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      if (J == 1) {  // no neighbour register: shifts within the warp (lanes 31 and 0 never take them, below)
+        dn_s[j] = __shfl_down_sync(FULL, sc[j], 1);
+        dn_m[j] = __shfl_down_sync(FULL, mt[j], 1);
+        up_s[j] = __shfl_up_sync(FULL, sc[j], 1);
+        up_m[j] = __shfl_up_sync(FULL, mt[j], 1);
+      } else {
+        dn_s[j] = __shfl_sync(FULL, sc[j], next_lane);
+        dn_m[j] = __shfl_sync(FULL, mt[j], next_lane);
+        up_s[j] = __shfl_sync(FULL, sc[j], prev_lane);
+        up_m[j] = __shfl_sync(FULL, mt[j], prev_lane);
+      }
+    }
 
     ++n;
-    const int parent = meta_parent(hm), rank = meta_rank(hm), depth = meta_depth(hm);
-    node_parent[n] = (short)parent;  // every lane: the same value to the same address
-    node_rank[n] = (short)rank;
-    node_depth[n] = (signed char)depth;
-    node_score[n] = hs;
-    const int row = (depth - 1) * KS;
-    const bool has_next = rank + 1 < KS;  // KS = min(K, budget + 1): rank KS can never be popped
-    const bool has_first = depth < L;
-    const double cur = S[row + rank];
-    const double nxt = S[row + rank + (has_next ? 1 : 0)];
-    const double first = S[has_first ? depth * KS : 0];
-    const double ss0 = __dadd_rn(__dsub_rn(hs, cur), nxt);
-    const double cs0 = __dadd_rn(hs, first);
-    // Scores compare as doubles: -0.0 == +0.0 is an exact tie, as in the reference; -inf marks "not pushed"
-    // (a finite score's candidate only: a non-finite log-prob is never pushed).
-    const bool sok = has_next & isfinite(nxt), cok = has_first & isfinite(first);
-    const double ss = sok ? ss0 : -INFINITY, cs = cok ? cs0 : -INFINITY;
-    const u32 sm = pack(parent, rank + 1, depth), cm = pack(n, 0, depth + 1);
+    sts_node(meta_base + 4u * n, hm, score_base + 8u * n, hs);  // every lane: the same values, the same addresses
+    const int depth = lm_depth(hm), first_off = depth * stride8;
+    const u32 a_off = s_base + (hm & 0xffffu);
+    const double cur = lds_f64(a_off), nxt = lds_f64(a_off + 8u), first = lds_f64(s_base + first_off);
+    const double ss = __dadd_rn(__dsub_rn(hs, cur), nxt);  // -inf: no next sibling
+    const double cs = __dadd_rn(hs, first);                 // -inf: no first child
+    const u32 sm = hm + 8u, cm = lm_pack(first_off, depth + 1, n);
     const bool child_first = cs >= ss;
     const double as = child_first ? cs : ss, bsc = child_first ? ss : cs;
     const u32 ma = child_first ? cm : sm, mb = child_first ? sm : cm;
 
-    // Old positions q >= 1 better than a / than b (a prefix of the list each).
-    bool ga[J], gb[J];
+    // Old positions q >= 1 better than a / than b (a prefix of the list each): pa and pb. Exact score ties (rare)
+    // are decided by the rank-tuple walk after the untied rebuild, which they then redo.
     bool tie = false;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const bool live = j > 0 || lane > 0;  // position 0 is the popped head
-      ga[j] = live & (sc[j] > as);
-      gb[j] = live & (sc[j] > bsc);
       tie = tie | (live & (sc[j] > -INFINITY) & ((sc[j] == as) | (sc[j] == bsc)));
     }
-    if (__any_sync(FULL, tie)) {  // exact score ties: the smaller rank tuple is better
-      __syncwarp();  // node n (the child's parent) is visible to every lane's walk
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const bool live = (j > 0 || lane > 0) && sc[j] > -INFINITY;
-        if (live && sc[j] == as) ga[j] = tuple_less(mt[j], ma, node_parent, node_rank);
-        if (live && sc[j] == bsc) gb[j] = tuple_less(mt[j], mb, node_parent, node_rank);
-      }
-    }
+    const bool any_tie = __any_sync(FULL, tie);
     int pa = 0, pb = 0;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      pa += __popc(__ballot_sync(FULL, ga[j]));
-      pb += __popc(__ballot_sync(FULL, gb[j]));
+      const bool live = j > 0 || lane > 0;
+      pa += __popc(__ballot_sync(FULL, live & (sc[j] > as)));
+      pb += __popc(__ballot_sync(FULL, live & (sc[j] > bsc)));
     }
-
-    // Rebuild: old[i+1] from the next lane (lane 31: register j+1's lane 0), old[i-1] from the previous lane
-    // (lane 0: register j-1's lane 31).
-    double dn_s[J], up_s[J];
-    u32 dn_m[J], up_m[J];
-    const int next_lane = (lane + 1) & 31, prev_lane = (lane + 31) & 31;
+    double nsc[J];
+    u32 nmt[J];
+    auto rebuild = [&]() {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int i = j * 32 + lane;
+        // Lane 31 of register j takes old[i+1] from lane 0 of register j+1, lane 0 of register j takes old[i-1]
+        // from lane 31 of register j-1. The last position never takes old[i+1] (i < pa <= C - 1) and position 0
+        // never takes old[i-1] (0 > pb + 1), so their values there do not matter.
+        const int jn = j + 1 < J ? j + 1 : j, jp = j > 0 ? j - 1 : 0;
+        const double ns = J > 1 && lane == 31 ? dn_s[jn] : dn_s[j];
+        const u32 nm = J > 1 && lane == 31 ? dn_m[jn] : dn_m[j];
+        const double ps = J > 1 && lane == 0 ? up_s[jp] : up_s[j];
+        const u32 pm = J > 1 && lane == 0 ? up_m[jp] : up_m[j];
+        // i < pa: old[i+1]; i == pa: a; pa < i <= pb: old[i]; i == pb + 1: b; i > pb + 1: old[i-1]
+        const bool take_next = i < pa, keep = i > pa && i <= pb, take_prev = i > pb + 1;
+        double s_new = take_next ? ns : take_prev ? ps : keep ? sc[j] : 0.0;
+        u32 m_new = take_next ? nm : take_prev ? pm : keep ? mt[j] : 0u;
+        nsc[j] = i == pa ? as : i == pb + 1 ? bsc : s_new;
+        nmt[j] = i == pa ? ma : i == pb + 1 ? mb : m_new;
+      }
+    };
+    rebuild();
+    if (any_tie) {  // the smaller rank tuple is better
+      __syncwarp();  // node n (the child's parent) is visible to every lane's walk
+      pa = pb = 0;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const bool live = (j > 0 || lane > 0) && sc[j] > -INFINITY;
+        bool ga = live && sc[j] > as, gb = live && sc[j] > bsc;
+        if (live && sc[j] == as) ga = meta_tuple_less(mt[j], ma, node_meta);
+        if (live && sc[j] == bsc) gb = meta_tuple_less(mt[j], mb, node_meta);
+        pa += __popc(__ballot_sync(FULL, ga));
+        pb += __popc(__ballot_sync(FULL, gb));
+      }
+      rebuild();
+    }
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      dn_s[j] = __shfl_sync(FULL, sc[j], next_lane);
-      dn_m[j] = __shfl_sync(FULL, mt[j], next_lane);
-      up_s[j] = __shfl_sync(FULL, sc[j], prev_lane);
-      up_m[j] = __shfl_sync(FULL, mt[j], prev_lane);
-    }
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int i = j * 32 + lane;
-      const int jn = j + 1 < J ? j + 1 : j, jp = j > 0 ? j - 1 : 0;
-      const bool tail = j + 1 == J, head = j == 0;
-      const double ns = lane == 31 ? (tail ? -INFINITY : dn_s[jn]) : dn_s[j];
-      const u32 nm = lane == 31 ? (tail ? 0u : dn_m[jn]) : dn_m[j];
-      const double ps = lane == 0 ? (head ? -INFINITY : up_s[jp]) : up_s[j];
-      const u32 pm = lane == 0 ? (head ? 0u : up_m[jp]) : up_m[j];
-      // i < pa: old[i+1]; i == pa: a; pa < i <= pb: old[i]; i == pb + 1: b; i > pb + 1: old[i-1]
-      const bool take_next = i < pa, keep = i > pa && i <= pb, take_prev = i > pb + 1;
-      double s_new = take_next ? ns : take_prev ? ps : keep ? sc[j] : 0.0;
-      u32 m_new = take_next ? nm : take_prev ? pm : keep ? mt[j] : 0u;
-      s_new = i == pa ? as : i == pb + 1 ? bsc : s_new;
-      m_new = i == pa ? ma : i == pb + 1 ? mb : m_new;
-      sc[j] = s_new;
-      mt[j] = m_new;
+      sc[j] = nsc[j];
+      mt[j] = nmt[j];
     }
     hs = pa == 0 ? as : o1s;
     hm = pa == 0 ? ma : o1m;
@@ -496,33 +601,36 @@ __device__ __forceinline__ void build_trees_list(
     const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens,
     long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,
     double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {
-  extern __shared__ double S_list[];  // [L][KS] (the dynamic shared memory; a name of its own: S is extern "C")
+  extern __shared__ double S_list[];  // [L][KS + 1] + 1 (the dynamic shared memory; a name of its own: S is extern "C")
   double* S = S_list;
   __shared__ double node_score[64 * J + 1];
-  __shared__ short node_parent[64 * J + 1];
-  __shared__ short node_rank[64 * J + 1];
-  __shared__ signed char node_depth[64 * J + 1];
+  __shared__ u32 node_meta[64 * J + 1];
   __shared__ int s_nodes;
 
-  const int tid = threadIdx.x, b = blockIdx.x;
+  const int tid = threadIdx.x, b = blockIdx.x, stride = KS + 1;
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
-  stage_rows(S, lp, L, K, KS);
-  if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
+  stage_rows_padded(S, lp, L, K, KS);
+  if (tid == 0) s_nodes = 0;
   __syncthreads();
   if (tid < 32) {
-    const int n = list_tree<J>(S, L, KS, budget, node_parent, node_rank, node_depth, node_score);
+    const int n = list_tree<J>(S, L, stride, budget, node_meta, node_score);
     if (tid == 0) s_nodes = n;
   }
   validate_rows(lp, ids, L, K, err);
   __syncthreads();
-  write_tree(b, budget + 1, s_nodes, ids, K, root_tokens, node_parent, node_rank, node_depth, node_score, tokens,
-             depths, parents, ranks, scores, num_nodes);
+  write_tree(b, budget + 1, s_nodes, ids, K, root_tokens,
+             [&](int i) {
+               const u32 m = node_meta[i];
+               const int d = lm_depth(m);
+               return make_int3(d, (lm_off(m) >> 3) - (d - 1) * stride, lm_parent(m));
+             },
+             node_score, tokens, depths, parents, ranks, scores, num_nodes);
 }
 
 // build_trees_list<J> for budget <= 64 * J; the arguments of build_trees_kernel.
 #define LIST_KERNEL(J)                                                                                              \
-  extern "C" __global__ void __launch_bounds__(128) build_trees_list##J(                                         \
+  extern "C" __global__ void __launch_bounds__(128, 1) build_trees_list##J(                                      \
       const float* __restrict__ logprobs, const long long* __restrict__ token_ids,                               \
       const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens, \
       long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,            \

@@ -48,6 +48,14 @@ def _tree_kernel_name(budget: int) -> str:
     return "build_trees_list1" if budget <= 64 else "build_trees_list2" if budget <= 128 else "build_trees_list4"
 
 
+def tree_smem_bytes(name: str, depth: int, ks: int) -> int:
+    """Dynamic shared memory of one tree kernel's block: the slot kernel stages ``[L, KS]`` floats; the list kernels
+    ``L`` rows of ``KS + 1`` doubles plus one (each row's column ``KS`` and the last entry hold -inf)."""
+    if name == "build_trees_kernel":
+        return max(depth, 1) * ks * 4
+    return (depth * (ks + 1) + 1) * 8
+
+
 @dataclass(frozen=True)
 class GpuTreeBatch:
     """``reference.TreeBatch`` on the GPU: its fields (``tokens``, ``depths``, ``parents``, ``num_nodes``; same
@@ -161,7 +169,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     roots = root_tokens.contiguous()
     ks = min(k, width) if k else 1  # ranks >= budget + 1 can never be pushed
     name = _tree_kernel_name(max(budget, 0))
-    smem = max(depth, 1) * ks * (4 if name == "build_trees_kernel" else 8)  # the list kernels stage doubles
+    smem = tree_smem_bytes(name, depth, ks)
     fn = runtime.load_module(_KERNEL).get_function(name)
     static_smem = _STATIC_SMEM.get(name)
     if static_smem is None:
