@@ -515,8 +515,9 @@ struct SegTable {
 // Appends the columns of group g (chunk g / GT, group g % GT of hist_pass) whose key is >= cut
 // and >= the chunk's bound (hist_pass's chunk_cut): exactly the columns the row histogram counted at or above
 // the boundary bin, so the gather collects as many candidates as the histogram promised.
-template <typename T, int VEC, int G, bool SEG>
-__device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut,
+// FULL: the group's chunk has all CC columns (gather_group below picks).
+template <typename T, int VEC, int G, bool SEG, bool FULL>
+__device__ __forceinline__ void gather_group_impl(const T* __restrict__ row, int V, int g, u32 cut,
                                              const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor,
                                              const SegTable& st) {
   constexpr int GT = H_THREADS * G, CC = H_COLS * G;  // groups and columns per chunk
@@ -526,7 +527,7 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
   // KEY_POS_INF only with the error flag set)
   const float cf = key_float(min(max(cut, __ldg(ccut + g / GT)), KEY_POS_INF));
   u32 raw[Packed<T>::words];
-  load_group<T, VEC, GT>(row + start, n, raw, t);
+  load_group<T, VEC, GT, FULL>(row + start, n, raw, t);
   u32 mask = 0;
 #pragma unroll
   for (int e = 0; e < H_ELEMS; ++e)
@@ -553,6 +554,24 @@ __device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, i
         dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC, GT>(e, t)));
       ++pos;
     }
+}
+
+// gather_group_impl out of line: groups of the row's last, partial chunk, and groups past the shared list's
+// GATHER_LIST entries (both rare; see select_winners_cold).
+template <typename T, int VEC, int G, bool SEG>
+__device__ __noinline__ void gather_group_cold(const T* __restrict__ row, int V, int g, u32 cut,
+                                               const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor,
+                                               SegTable st) {
+  gather_group_impl<T, VEC, G, SEG, false>(row, V, g, cut, ccut, dst, cap, cursor, st);
+}
+
+template <typename T, int VEC, int G, bool SEG>
+__device__ __forceinline__ void gather_group(const T* __restrict__ row, int V, int g, u32 cut,
+                                             const u32* __restrict__ ccut, u64* dst, int cap, u32* cursor,
+                                             const SegTable& st) {
+  constexpr int GT = H_THREADS * G, CC = H_COLS * G;
+  if (V - (g / GT) * CC >= CC) gather_group_impl<T, VEC, G, SEG, true>(row, V, g, cut, ccut, dst, cap, cursor, st);
+  else gather_group_cold<T, VEC, G, SEG>(row, V, g, cut, ccut, dst, cap, cursor, st);
 }
 
 // Appends every column of the row whose key's bin is >= bsel to dst (at most cap), visiting only the
@@ -594,7 +613,7 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
       const int g = (q0 + (b >> 3) * S_THREADS + (int)threadIdx.x) * 8 + (b & 7);
       const u32 slot = atomicAdd(listed, 1u);
       if (slot < GATHER_LIST) list[slot] = (u32)g;
-      else gather_group<T, VEC, G, SEG>(row, V, g, cut, ccut, dst, cap, cursor, st);
+      else gather_group_cold<T, VEC, G, SEG>(row, V, g, cut, ccut, dst, cap, cursor, st);
     }
   }
   __syncthreads();  // the list is complete
@@ -604,11 +623,44 @@ __device__ __forceinline__ int gather_candidates(const T* __restrict__ row, int 
   return (int)min(*cursor, (u32)cap);
 }
 
+// The select's rare paths out of line (__noinline__): the exact radix select (heavy ties, or more candidates than
+// the rank-by-counting path takes) and the large rankings. A select block runs each phase's code once, so at small
+// batches the code it is fetched past costs time (ncu at batch 1: 18 % of the stall samples were instruction fetch,
+// most at the emit, which came after the inlined radix select and sort).
+template <typename Src>
+__device__ __noinline__ int select_winners_cold(Src src, int items, u32 want, int kout, u32* hist, u64* winners,
+                                                u32* scratch, u32* sel, u32* n_win) {
+  return select_winners<S_THREADS>(src, items, want, kout, hist, winners, scratch, sel, n_win);
+}
+
 // Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
 // got are padded) in descending order. Rank by counting (each composite's place is the number of larger
 // ones: no barrier; several lanes per composite when got <= S_THREADS / 2) when got <= RANK_ITEMS; else
 // (only from the radix select's winners, got <= kout <= MAX_K, src == hw) a bitonic sort in place.
 #define RANK_ITEMS 512
+template <int MODE>
+__device__ __noinline__ void emit_sorted_many(u64* src, int got, int kout, int r, double lse,
+                                              float* __restrict__ out_vals, long long* __restrict__ out_ids,
+                                              long long id_offset) {
+  const int tid = threadIdx.x;
+  if (got <= RANK_ITEMS) {
+    for (int i = tid; i < got; i += S_THREADS) {
+      const u64 w = src[i];
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < got; ++j) rank += src[j] > w;  // one address per step: a broadcast
+      if (rank < kout) emit<MODE>(r, kout, rank, w, lse, out_vals, out_ids, id_offset);
+    }
+  } else {
+    int P = 1;
+    while (P < got) P <<= 1;
+    for (int i = got + tid; i < P; i += S_THREADS) src[i] = 0ull;  // sorts last
+    __syncthreads();
+    bitonic_sort_desc<S_THREADS>(src, P);
+    for (int i = tid; i < min(got, kout); i += S_THREADS) emit<MODE>(r, kout, i, src[i], lse, out_vals, out_ids, id_offset);
+  }
+}
+
 template <int MODE>
 __device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, double lse,
                                             float* __restrict__ out_vals, long long* __restrict__ out_ids,
@@ -627,21 +679,8 @@ __device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, 
       for (int j = sub; j < got; j += p) rank += src[j] > w;
     for (int o = 1; o < p; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);  // p is block-uniform
     if (i < got && sub == 0 && rank < kout) emit<MODE>(r, kout, rank, w, lse, out_vals, out_ids, id_offset);
-  } else if (got <= RANK_ITEMS) {
-    for (int i = tid; i < got; i += S_THREADS) {
-      const u64 w = src[i];
-      int rank = 0;
-#pragma unroll 8
-      for (int j = 0; j < got; ++j) rank += src[j] > w;  // one address per step: a broadcast
-      if (rank < kout) emit<MODE>(r, kout, rank, w, lse, out_vals, out_ids, id_offset);
-    }
   } else {
-    int P = 1;
-    while (P < got) P <<= 1;
-    for (int i = got + tid; i < P; i += S_THREADS) src[i] = 0ull;  // sorts last
-    __syncthreads();
-    bitonic_sort_desc<S_THREADS>(src, P);
-    for (int i = tid; i < min(got, kout); i += S_THREADS) emit<MODE>(r, kout, i, src[i], lse, out_vals, out_ids, id_offset);
+    emit_sorted_many<MODE>(src, got, kout, r, lse, out_vals, out_ids, id_offset);
   }
   for (int i = got + tid; i < kout; i += S_THREADS) emit<MODE>(r, kout, i, 0ull, lse, out_vals, out_ids, id_offset);
 }
@@ -662,6 +701,13 @@ __device__ __forceinline__ void emit_by_segment(const u64* src, const SegTable& 
     if (rank < (u32)kout) emit<MODE>(r, kout, (int)rank, w, lse, out_vals, out_ids, id_offset);
   }
   for (int i = (int)st.items + threadIdx.x; i < kout; i += S_THREADS) emit<MODE>(r, kout, i, 0ull, lse, out_vals, out_ids, id_offset);
+}
+
+// row_lse over the block, out of line: rows of more than 32 chunks (V > 262144) only.
+template <int MODE>
+__device__ __noinline__ double row_lse_cold(const float* __restrict__ chunk_max, const double* __restrict__ chunk_sum,
+                                            int r, int C, float* fscratch, double* dscratch, int* err) {
+  return row_lse<S_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
 }
 
 // Row r's logsumexp by warp 0 alone when C <= 32 (into *out; the other warps go on): the same operations in
@@ -720,7 +766,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   if (C <= 32) {
     if (tid < 32) row_lse_warp<MODE>(chunk_max, chunk_sum, r, C, &s_lse, err);
   } else {
-    const double l = row_lse<S_THREADS, MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
+    const double l = row_lse_cold<MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
     if (tid == 0) s_lse = l;
   }
 
@@ -750,15 +796,15 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
     }
     // the gather disagreed with the histogram (only with the error flag set): the exact select over the row
     __syncthreads();
-    got = select_winners<S_THREADS>(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
+    got = select_winners_cold(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
   } else if (bsel != 0xffffffffu && items <= (unsigned long long)cap) {
     u64* dst = items <= S_CACHE ? cache : cands + (long long)r * cap;
     got = gather_candidates<T, VEC, G, false>(row, V, C, group_bin + (long long)r * C * H_THREADS * G, chunk_cut + (long long)r * C,
                                     bsel, dst, items <= S_CACHE ? S_CACHE : (int)cap, &cursor, list, &listed, SegTable{});
     if (got <= RANK_ITEMS && dst == cache) src = cache;  // few candidates: ranked directly, no select
-    else got = select_winners<S_THREADS>(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
+    else got = select_winners_cold(CandSource{dst}, got, (u32)min(kout, got), kout, hist, hw, scratch, sel, &n_win);
   } else {
-    got = select_winners<S_THREADS>(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
+    got = select_winners_cold(RowSource<T>{row}, V, (u32)kout, kout, hist, hw, scratch, sel, &n_win);
   }
   emit_sorted<MODE>(src, got, kout, r, lse, out_vals, out_ids, id_offset);
   if (MODE == 1 && tid == 0) out_lse[r] = lse;
