@@ -46,3 +46,13 @@ def test_a_changed_kernel_body_is_named():
                                                                              "validate_rows(lp, ids, L, K, err); ")
     with pytest.raises(SystemExit, match="best_first_tree.cu: build_trees_list is not one this script stamps"):
         mod.stamped_source(text, "best_first_tree.cu")
+
+
+def test_the_older_list_body_still_stamps():
+    """``--old`` copies from before the padded-row list kernel (ff63545 and earlier) carry the older body text."""
+    mod = _module()
+    text = (runtime.kernels_dir() / "best_first_tree.cu").read_text()
+    new_body, old_body = mod.BODIES[1], mod.BODIES[0]
+    assert new_body in text and old_body not in text
+    src = mod.stamped_source(text.replace(new_body, old_body), "old best_first_tree.cu")
+    assert all(f"STAMP({i})" in src for i in range(7)) and "list_tree<J>(S, L, KS, budget, node_parent" in src
