@@ -633,11 +633,8 @@ __device__ __noinline__ int select_winners_cold(Src src, int items, u32 want, in
   return select_winners<S_THREADS>(src, items, want, kout, hist, winners, scratch, sel, n_win);
 }
 
-// Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
-// got are padded) in descending order. Rank by counting (each composite's place is the number of larger
-// ones: no barrier; several lanes per composite when got <= S_THREADS / 2) when got <= RANK_ITEMS; else
-// (only from the radix select's winners, got <= kout <= MAX_K, src == hw) a bitonic sort in place.
 #define RANK_ITEMS 512
+// emit_sorted for more than S_THREADS composites, out of line (see select_winners_cold).
 template <int MODE>
 __device__ __noinline__ void emit_sorted_many(u64* src, int got, int kout, int r, double lse,
                                               float* __restrict__ out_vals, long long* __restrict__ out_ids,
@@ -661,6 +658,10 @@ __device__ __noinline__ void emit_sorted_many(u64* src, int got, int kout, int r
   }
 }
 
+// Writes the top kout of the unique composites src[0, got) (all of them when got <= kout; positions past
+// got are padded) in descending order. Rank by counting (each composite's place is the number of larger
+// ones: no barrier; several lanes per composite when got <= S_THREADS / 2) when got <= RANK_ITEMS; else
+// (only from the radix select's winners, got <= kout <= MAX_K, src == hw) a bitonic sort in place.
 template <int MODE>
 __device__ __forceinline__ void emit_sorted(u64* src, int got, int kout, int r, double lse,
                                             float* __restrict__ out_vals, long long* __restrict__ out_ids,
