@@ -7,7 +7,7 @@ the time of one streaming read of the same logits (``torch.amax`` over the vocab
 torch's own one-pass reduction over them costs at that batch, launch and tail included (a reference point, not a
 bound: a tuned pass can beat it, as hist_pass does at batch 1 and 8).
 
-    python benchmarks/topk_ab.py [--impls histogram cut] [--old sglang_kdtree.gpu.topk_old] [--variant ...]
+    python benchmarks/topk_ab.py [--impls histogram cut] [--old sglang_kdtree.gpu.topk_old] [--variant=-DNAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["histogram", "cut"], help="topk.IMPL pipelines to time")
     p.add_argument("--old", default=None, help="module path of an older topk launcher to compare")
     p.add_argument("--variant", action="append", default=[],
-                   help="extra NVRTC option set (space-separated) for the first impl's kernel, e.g. -DCHUNK_MIN_BLOCKS=2")
+                   help="extra NVRTC option set (space-separated) for the first impl's kernel, given with '=' since it "
+                        "starts with a dash: --variant=-DCHUNK_MIN_BLOCKS=2")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     old = None
