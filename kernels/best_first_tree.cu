@@ -71,15 +71,14 @@ __device__ __forceinline__ bool tuple_less(u32 a, u32 b, const short* node_paren
   return ra < rb;
 }
 
-// Stage the usable ranks of one request's [L, K] log-probs as S[L][KS] (all threads; independent loads); the
-// list kernel stages them widened to double (exact), off its pop loop's critical path.
-template <typename T>
-__device__ __forceinline__ void stage_rows(T* S, const float* lp, int L, int K, int KS) {
+// Stage the usable ranks of one request's [L, K] log-probs as S[L][KS] floats for the slot kernel (all threads;
+// independent loads); the list kernels stage padded doubles (stage_rows_padded).
+__device__ __forceinline__ void stage_rows(float* S, const float* lp, int L, int K, int KS) {
   const int staged = L * KS;
 #pragma unroll 4
   for (int i = threadIdx.x; i < staged; i += blockDim.x) {
     const int d = i / KS, k = i - d * KS;
-    S[i] = (T)lp[d * K + k];
+    S[i] = lp[d * K + k];
   }
 }
 
