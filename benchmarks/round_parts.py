@@ -1,13 +1,13 @@
 """Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes.
 
-    python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json] [--trace]
+    python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json] [--trace] [--ab]
 
 The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greedy``, the path a CUDA server
 with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay) and as
 bare replays of the captured graphs (device time only), and
 each of their parts is captured and replayed alone: the draft head GEMM (the drafter's lm_head: part of the
 draft, not of the bookkeeping), top-K + logsumexp, the best-first tree, the verify inputs, the greedy accept,
-the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row
+the fused tree + verify launch the tree step takes (``GpuBackend.build_verify``), the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row
 gather. Times are the median of CUDA-event-timed replays (device time, no host); the floor column is the part's
 bytes over the measured copy bandwidth. Target logits are fp32 ``[bs, N, V]`` whose argmax follows a tree child
 with probability ``--agree`` (a realistic accept length). Needs a CUDA GPU and SGLang (for the pool class).
@@ -160,7 +160,21 @@ def _target(trees, vocab: int, agree: float, gen, seed: int) -> torch.Tensor:
 
 
 def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
-          trace: bool = False) -> dict:
+          trace: bool = False, fused: bool = True) -> dict:
+    from sglang_kdtree import pipeline
+    from sglang_kdtree.gpu import tree as gpu_tree
+
+    gpu_tree.FUSE_VERIFY = fused
+    try:
+        out = _parts(bs, budget, depth, vocab, hidden, layers, agree, trace)
+    finally:
+        gpu_tree.FUSE_VERIFY = True
+    out["variant"] = "fused" if fused else "two launches"
+    return out
+
+
+def _parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
+           trace: bool) -> dict:
     from sglang_kdtree import pipeline
 
     gen = torch.Generator(device="cuda").manual_seed(bs)
@@ -198,6 +212,7 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     out["tree"] = _graph_time(lambda: backend.build(lp, ids, budget, roots))
     trees = backend.build(lp, ids, budget, roots)
     out["verify inputs"] = _graph_time(lambda: backend.verify_inputs(trees, seq_lens, seq_lens_sum=seq_sum))
+    out["tree + verify"] = _graph_time(lambda: backend.build_verify(lp, ids, budget, roots, seq_lens, seq_sum))
 
     target = _target(trees, vocab, agree, gen, seed=bs)
     hidden_rows = torch.randn((bs * width, 7168), device="cuda", generator=gen).to(torch.bfloat16)
@@ -227,7 +242,7 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
     return out
 
 
-COLUMNS = ["tree_step graph", "tree graph replay", "head GEMM", "top-K", "tree", "verify inputs",
+COLUMNS = ["tree_step graph", "tree graph replay", "head GEMM", "top-K", "tree", "verify inputs", "tree + verify",
            "accept_commit graph", "accept_commit graph replay", "accept", "commit plan", "KV compaction",
            "hidden gather", "bookkeeping (calls)", "bookkeeping (replays)", "tree_step host",
            "tree_step host after GEMM", "replay host", "accept_commit host", "accept len"]
@@ -244,12 +259,15 @@ def main(argv=None) -> int:
     ap.add_argument("--agree", type=float, default=0.75)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", action="store_true", help="also print each step graph's kernels and the gaps")
+    ap.add_argument("--ab", action="store_true",
+                    help="each batch twice: the tree and verify inputs fused into one launch (the worker's path), "
+                         "and as the two launches it replaced (gpu.tree.FUSE_VERIFY off)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("round_parts needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree, args.trace)
-            for bs in args.batches]
+    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree, args.trace, fused)
+            for bs in args.batches for fused in ((True, False) if args.ab else (True,))]
     import sglang_kdtree
 
     print(f"sglang_kdtree from {sglang_kdtree.__file__}")
@@ -259,16 +277,18 @@ def main(argv=None) -> int:
           "bookkeeping (replays) = the two captured graphs replayed alone (device only); the host columns: host "
           "microseconds to issue the call on an idle GPU (tree_step host after GEMM: from the head GEMM's issue "
           "to the call's return; replay host: one bare graph.replay())")
-    print("| bs | " + " | ".join(COLUMNS) + " | errors |")
-    print("|---" * (len(COLUMNS) + 2) + "|")
+    print("| bs | tree + verify launches | " + " | ".join(COLUMNS) + " | errors |")
+    print("|---" * (len(COLUMNS) + 3) + "|")
     for r in rows:
-        print(f"| {r['bs']} | " + " | ".join(f"{r.get(c, float('nan')):.1f}" if c != "accept len"
-                                            else f"{r[c]:.2f}" for c in COLUMNS) + f" | {r['errors']} |")
+        print(f"| {r['bs']} | {r['variant']} | " + " | ".join(f"{r.get(c, float('nan')):.1f}" if c != "accept len"
+                                                              else f"{r[c]:.2f}" for c in COLUMNS)
+              + f" | {r['errors']} |")
     for r in rows:
         for name in ("trace tree graph", "trace accept_commit graph"):
             if name in r:
                 t = r[name]
-                print(f"\nbs {r['bs']}, {name[6:]}: span {t['span']:.1f} us (first kernel start -> last end)")
+                print(f"\nbs {r['bs']} ({r['variant']}), {name[6:]}: span {t['span']:.1f} us (first kernel start -> "
+                      "last end)")
                 print("| kernel | us | gap before us |\n|---|---|---|")
                 for kname, dur, gap in t["kernels"]:
                     print(f"| {kname} | {dur:.1f} | {gap:.1f} |")

@@ -33,7 +33,7 @@
 // child = score + S[d+1][0]); the module is also compiled with -fmad=false.
 
 // Errors: ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_UNSORTED, ERR_NEGATIVE_ID of common.cuh.
-#include "common.cuh"
+#include "verify_common.cuh"  // the fused kernels' FULL_MASK; includes common.cuh
 
 #define FULL 0xffffffffu
 #define MAX_NODES 1025  // root + MAX_BUDGET (1024)
@@ -92,12 +92,14 @@ __device__ __forceinline__ void init_root(short* node_parent, short* node_rank, 
   *s_nodes = 0;
 }
 
-// Validation of the whole input (the reference checks every entry): warps 1.. while warp 0 builds the tree;
-// a single-warp block validates after it.
-__device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err) {
+// Validation of the whole input (the reference checks every entry): the threads from `first` on (warps 1.., or 2..
+// in the fused kernels, whose warp 1 follows the pops) while warp 0 builds the tree; a block with no thread from
+// `first` on validates with its first warp after it.
+__device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err,
+                                              int first = 32) {
   const int tid = threadIdx.x, nthreads = blockDim.x;
-  if (nthreads == 32 || tid >= 32) {
-    const int vt = nthreads == 32 ? tid : tid - 32, vn = nthreads == 32 ? 32 : nthreads - 32;
+  if (nthreads <= first ? tid < 32 : tid >= first) {
+    const int vt = nthreads <= first ? tid : tid - first, vn = nthreads <= first ? 32 : nthreads - first;
     int bad = 0;
     const int total = L * K;
 #pragma unroll 4
@@ -115,36 +117,48 @@ __device__ __forceinline__ void validate_rows(const float* lp, const long long* 
 
 // Cooperative write-out of the finished tree of n nodes, padded to N rows (after a __syncthreads).
 // node(i) gives node i's (depth, rank, parent) as an int3 (x, y, z).
+// With `rows` (the fused kernels: verify_inputs.cu's per-row outputs) also each row's input id (its token), position
+// (P + depth) and retrieve index.
+struct VerifyRows {
+  long long *input_ids, *positions, *retrieve_index;
+  long long P;
+};
 template <typename Node>
 __device__ __forceinline__ void write_tree(int b, int N, int n, const long long* ids, int K,
                                            const long long* __restrict__ root_tokens, Node node,
                                            const double* node_score, long long* __restrict__ tokens,
                                            long long* __restrict__ depths, long long* __restrict__ parents,
                                            long long* __restrict__ ranks, double* __restrict__ scores,
-                                           long long* __restrict__ num_nodes) {
+                                           long long* __restrict__ num_nodes, const VerifyRows* rows = nullptr) {
   const int tid = threadIdx.x;
   const long long row = (long long)b * N;
   for (int i = tid; i < N; i += blockDim.x) {
+    long long tok = 0;
+    int d = 0;
     if (i == 0) {
-      tokens[row] = root_tokens[b];
-      depths[row] = 0;
+      tok = root_tokens[b];
       parents[row] = -1;
       ranks[row] = -1;
       scores[row] = 0.0;
     } else if (i <= n) {
       const int3 v = node(i);
-      const int d = v.x, r = v.y;
-      tokens[row + i] = ids[(d - 1) * K + r];
-      depths[row + i] = d;
+      const int r = v.y;
+      d = v.x;
+      tok = ids[(d - 1) * K + r];
       parents[row + i] = v.z;
       ranks[row + i] = r;
       scores[row + i] = node_score[i];
     } else {
-      tokens[row + i] = 0;
-      depths[row + i] = 0;
       parents[row + i] = -1;
       ranks[row + i] = -1;
       scores[row + i] = 0.0;
+    }
+    tokens[row + i] = tok;
+    depths[row + i] = d;
+    if (rows != nullptr) {
+      rows->input_ids[row + i] = tok;
+      rows->positions[row + i] = rows->P + d;
+      rows->retrieve_index[row + i] = row + i;
     }
   }
   if (tid == 0) num_nodes[b] = n;
@@ -474,8 +488,8 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int stride, int
                                          double* node_score) {
   const int stride8 = 8 * stride;
   const int lane = (int)opaque(threadIdx.x & 31);
-  u32 s_base, meta_base, score_base;  // node_meta[0..2]: scratch (the root's meta is never read)
-  shared_addrs_kept(S, node_meta, node_score, node_meta, s_base, meta_base, score_base);
+  u32 s_base, meta_base, score_base;  // node_score[0..1] (the root's, never read): scratch for three words
+  shared_addrs_kept(S, node_meta, node_score, reinterpret_cast<u32*>(node_score), s_base, meta_base, score_base);
   double sc[J];  // position j * 32 + lane: score (-inf = empty), meta
   u32 mt[J];
 #pragma unroll
@@ -594,21 +608,139 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int stride, int
   return n;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The fused tree + verify kernels (build_trees_verify_list1/2/4): build_trees_list<J> and, in the same launch, the
+// verify inputs of the tree it builds (verify_inputs.cu's outputs, layout and padding; twin: reference.verify_inputs
+// of the tree). Warp 0's pop loop is the plain kernels'. Warp 1 follows it: node n's meta is written once, at its
+// pop, into node_meta (cleared to FOLLOW_EMPTY before the loop), so warp 1 spins on the next node's slot and books
+// each node as it appears, in pop order, as reference.verify_inputs does: its ancestor-or-self words are its
+// parent's plus its own bit (the parent was popped before it), and a parent's children arrive in pop order (first
+// child, then next sibling of the previous one: the reference's last_child rule). It streams each node's ancestor
+// words and the tree columns of its FULL_MASK row while warp 0 pops (another scheduler's issue slots); what it has
+// not reached when the loop ends (seen through s_done, or not yet visible) it books after the block's barrier, then
+// writes the links and the padding rows. Warps 2.. validate the input; after the barrier write_tree also writes each
+// row's input id, position and retrieve index. Blocks y >= 1 of the grid fill the FULL_MASK prefix columns.
+// ---------------------------------------------------------------------------------------------------
+
+#define FOLLOW_EMPTY 0xffffffffu  // a node_meta slot not yet popped (no meta is all ones: parent <= 256 < 2^11 - 1)
+
+// The verify outputs (verify_inputs.cu's arguments).
+struct VerifyOut {
+  const long long* seq_lens;
+  int fill_prefix;
+  long long *input_ids, *positions, *retrieve_index, *next_token, *next_sibling;
+  u32* ancestor_bits;
+  unsigned char* full_mask;
+};
+
+// Warp 1's bookkeeping in shared memory for NMAX = 64 J + 1 nodes, one u32 array: each node's ancestor-or-self
+// words (rows of W = ceil(N / 32)), then per node its last popped child, first child and next sibling (-1: none).
 template <int J>
+struct FollowBook {
+  static constexpr int NMAX = 64 * J + 1, WMAX = (NMAX + 31) / 32;
+  static constexpr int LAST = NMAX * WMAX, FIRST = LAST + NMAX, NEXT = FIRST + NMAX, WORDS = NEXT + NMAX;
+};
+
+// Blocks y >= 1 (gridDim.y - 1 of them per request): the True prefix columns of request b's FULL_MASK rows, a warp
+// per row, while block y = 0 builds the tree.
+__device__ __forceinline__ void fill_prefix_rows(const VerifyOut& vo, int b, int N) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long P = vo.seq_lens[b];
+  unsigned char* base = vo.full_mask + (long long)N * N * b + (long long)N * warp_sum_before(vo.seq_lens, b);
+  for (int i = ((int)blockIdx.y - 1) * nw + warp; i < N; i += ((int)gridDim.y - 1) * nw)
+    fill_ones(base + (long long)i * (P + N), P, lane);
+}
+
+// Warp 1 books row i: node i (meta m, parent p; p = -1 and i > 0: a padding row, itself only) gets its
+// ancestor-or-self words (book and ancestor_bits) and the tree columns of its FULL_MASK row (`mrow`: byte j = bit j;
+// lane `lane` writes bytes lane, lane + 32, ...: bit `lane` of word w, shuffled from lane w). Lane w < W keeps word w
+// of every row (it reads back only its own writes); lane 0 alone keeps the links.
+template <int J>
+__device__ __forceinline__ void follow_row(int i, int p, u32* book, int W, int N, u32* __restrict__ anc_out,
+                                           unsigned char* mrow) {
+  typedef FollowBook<J> B;
+  const int lane = threadIdx.x & 31;
+  u32 a = (p >= 0 && lane < W) ? book[p * W + lane] : 0u;
+  if (lane == (i >> 5)) a |= 1u << (i & 31);
+  if (lane < W) {
+    book[i * W + lane] = a;
+    anc_out[i * W + lane] = a;
+  }
+  if (p >= 0 && lane == 0) {
+    const int lc = (int)book[B::LAST + p];
+    book[lc < 0 ? B::FIRST + p : B::NEXT + lc] = (u32)i;
+    book[B::LAST + p] = (u32)i;
+  }
+  for (int w = 0; w < W; ++w) {
+    const u32 word = __shfl_sync(FULL, a, w);
+    if (w * 32 + lane < N) mrow[w * 32 + lane] = (unsigned char)((word >> lane) & 1u);
+  }
+}
+
+// The fused kernels after warp 0's loop: warp 0 publishes the node count (s_done); warp 1 books the root's row, then
+// every node as warp 0's pops publish it (node_meta[i] leaves FOLLOW_EMPTY), until the loop has ended; returns the
+// rows booked (warp 1; 0 elsewhere). *base: request b's FULL_MASK block (warp 1).
+template <int J>
+__device__ __forceinline__ int follow_pops(const VerifyOut& vo, int b, int N, int W, int budget, long long P,
+                                           const u32* node_meta, const int* s_nodes, int* s_done, u32* book,
+                                           unsigned char** base) {
+  const int warp = threadIdx.x >> 5;
+  if (warp == 0) {
+    if (threadIdx.x == 0) *(volatile int*)s_done = *s_nodes;
+    return 0;
+  }
+  if (warp != 1) return 0;
+  *base = vo.full_mask + (long long)N * N * b + (long long)N * warp_sum_before(vo.seq_lens, b);
+  u32* anc_out = vo.ancestor_bits + (long long)b * N * W;
+  follow_row<J>(0, -1, book, W, N, anc_out, *base + P);
+  int i = 1;
+  while (i <= budget) {
+    const u32 m = *(const volatile u32*)&node_meta[i];
+    if (m == FOLLOW_EMPTY) {
+      if (*(volatile int*)s_done >= 0) break;  // the loop has ended: the rest after the barrier
+      continue;
+    }
+    follow_row<J>(i, lm_parent(m), book, W, N, anc_out, *base + (long long)i * (P + N) + P);
+    ++i;
+  }
+  return i;
+}
+
+template <int J, bool V>
 __device__ __forceinline__ void build_trees_list(
     const float* __restrict__ logprobs, const long long* __restrict__ token_ids,
     const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens,
     long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,
-    double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {
+    double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err,
+    const VerifyOut& vo = VerifyOut{}) {
   extern __shared__ double S_list[];  // [L][KS + 1] + 1 (the dynamic shared memory; a name of its own: S is extern "C")
   double* S = S_list;
   __shared__ double node_score[64 * J + 1];
   __shared__ u32 node_meta[64 * J + 1];
   __shared__ int s_nodes;
+  __shared__ u32 book[V ? FollowBook<J>::WORDS : 1];  // V: warp 1's
+  __shared__ int s_done;                               // V: the node count once warp 0's loop has ended (-1 before)
 
   const int tid = threadIdx.x, b = blockIdx.x, stride = KS + 1;
+  const int N = budget + 1, W = (N + 31) >> 5;
+  if (V && blockIdx.y > 0) {
+    fill_prefix_rows(vo, b, N);
+    return;
+  }
   const float* lp = logprobs + (long long)b * L * K;
   const long long* ids = token_ids + (long long)b * L * K;
+  long long P = 0;
+  if (V) {
+    P = vo.seq_lens[b];
+    typedef FollowBook<J> B;
+    for (int i = tid; i < N; i += blockDim.x) {
+      book[B::LAST + i] = book[B::FIRST + i] = book[B::NEXT + i] = 0xffffffffu;
+      node_meta[i] = FOLLOW_EMPTY;
+    }
+    if (tid == 0) s_done = -1;
+  }
+  unsigned char* base = nullptr;
+  int followed = 0;
   stage_rows_padded(S, lp, L, K, KS);
   if (tid == 0) s_nodes = 0;
   __syncthreads();
@@ -616,15 +748,31 @@ __device__ __forceinline__ void build_trees_list(
     const int n = list_tree<J>(S, L, stride, budget, node_meta, node_score);
     if (tid == 0) s_nodes = n;
   }
-  validate_rows(lp, ids, L, K, err);
+  if (V) followed = follow_pops<J>(vo, b, N, W, budget, P, node_meta, &s_nodes, &s_done, book, &base);
+  validate_rows(lp, ids, L, K, err, V ? 64 : 32);
   __syncthreads();
-  write_tree(b, budget + 1, s_nodes, ids, K, root_tokens,
+  const VerifyRows rows{vo.input_ids, vo.positions, vo.retrieve_index, P};
+  write_tree(b, N, s_nodes, ids, K, root_tokens,
              [&](int i) {
                const u32 m = node_meta[i];
                const int d = lm_depth(m);
                return make_int3(d, (lm_off(m) >> 3) - (d - 1) * stride, lm_parent(m));
              },
-             node_score, tokens, depths, parents, ranks, scores, num_nodes);
+             node_score, tokens, depths, parents, ranks, scores, num_nodes, V ? &rows : nullptr);
+  if (V && tid >> 5 == 1) {  // the rows warp 1 has not booked (padding rows: itself only), then every row's links
+    typedef FollowBook<J> B;
+    const int n = s_nodes;
+    u32* anc_out = vo.ancestor_bits + (long long)b * N * W;
+    for (; followed < N; ++followed)
+      follow_row<J>(followed, followed <= n ? lm_parent(node_meta[followed]) : -1, book, W, N, anc_out,
+                    base + (long long)followed * (P + N) + P);
+    __syncwarp();  // lane 0's links
+    const long long row = (long long)b * N;
+    for (int i = tid & 31; i < N; i += 32) {
+      vo.next_token[row + i] = (int)book[B::FIRST + i];  // -1 (none) as a u32 reads back as -1
+      vo.next_sibling[row + i] = (int)book[B::NEXT + i];
+    }
+  }
 }
 
 // build_trees_list<J> for budget <= 64 * J; the arguments of build_trees_kernel.
@@ -634,9 +782,31 @@ __device__ __forceinline__ void build_trees_list(
       const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens, \
       long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,            \
       double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err) {                   \
-    build_trees_list<J>(logprobs, token_ids, root_tokens, L, K, budget, KS, tokens, depths, parents, ranks,      \
-                        scores, num_nodes, err);                                                                 \
+    build_trees_list<J, false>(logprobs, token_ids, root_tokens, L, K, budget, KS, tokens, depths, parents, ranks, \
+                               scores, num_nodes, err);                                                          \
   }
 LIST_KERNEL(1)
 LIST_KERNEL(2)
 LIST_KERNEL(4)
+
+// The fused tree + verify kernels: build_trees_list<J>'s arguments, then verify_inputs.cu's (seq_lens [bs] int64,
+// fill_prefix and its outputs); grid (bs, 1 + F), F = 0 when fill_prefix is 0. 128 threads (warps 0, 1 and 2.. as
+// described above).
+#define LIST_VERIFY_KERNEL(J)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(128, 1) build_trees_verify_list##J(                               \
+      const float* __restrict__ logprobs, const long long* __restrict__ token_ids,                               \
+      const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens, \
+      long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,            \
+      double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err,                     \
+      const long long* __restrict__ seq_lens, int fill_prefix, long long* __restrict__ input_ids,                \
+      long long* __restrict__ positions, u32* __restrict__ ancestor_bits, long long* __restrict__ retrieve_index, \
+      long long* __restrict__ next_token, long long* __restrict__ next_sibling,                                  \
+      unsigned char* __restrict__ full_mask) {                                                                   \
+    const VerifyOut vo{seq_lens, fill_prefix, input_ids, positions, retrieve_index, next_token, next_sibling,    \
+                       ancestor_bits, full_mask};                                                                \
+    build_trees_list<J, true>(logprobs, token_ids, root_tokens, L, K, budget, KS, tokens, depths, parents, ranks, \
+                              scores, num_nodes, err, vo);                                                       \
+  }
+LIST_VERIFY_KERNEL(1)
+LIST_VERIFY_KERNEL(2)
+LIST_VERIFY_KERNEL(4)

@@ -18,24 +18,13 @@
 // A malformed tree (num_nodes outside [0, N-1], a live node's parent outside [0, i), a chain deeper than
 // 31) sets ERR_BAD_TREE; the kernel clamps and never writes outside its rows.
 
-#include "common.cuh"  // ERR_BAD_TREE, u32
+#include "verify_common.cuh"  // fill_ones; common.cuh: ERR_BAD_TREE, u32
 
 #define VERIFY_THREADS 256
 #define VERIFY_WARPS (VERIFY_THREADS / 32)
 #define MAX_N 1025
 #define MAX_CHAIN 32
 #define NO_NODE 0x7fffffff
-
-// n bytes of 1 from p (word stores where p is 4-byte aligned), by the 32 lanes of a warp.
-__device__ __forceinline__ void fill_ones(unsigned char* p, long long n, int lane) {
-  const long long head = min((long long)((4 - ((unsigned long long)p & 3)) & 3), n);
-  if (lane < head) p[lane] = 1;
-  u32* w = reinterpret_cast<u32*>(p + head);
-  const long long words = (n - head) >> 2;
-  for (long long k = lane; k < words; k += 32) w[k] = 0x01010101u;
-  const long long tail = head + words * 4;
-  if (tail + lane < n) p[tail + lane] = 1;
-}
 
 extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) verify_inputs(
     const long long* __restrict__ tokens, const long long* __restrict__ depths,

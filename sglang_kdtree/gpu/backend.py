@@ -131,6 +131,21 @@ class GpuBackend:
         return _as_trees(self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64), out=out,
                                                 error_flag=self.tree_errors))
 
+    def build_verify(self, logprobs, ids, budget, roots, seq_lens, seq_lens_sum: int):
+        """``build`` then ``verify_inputs`` into the reserved buffers, in one launch where a list tree kernel applies
+        (``gpu.tree.build_trees_verify``); the two calls otherwise (outside the reservation)."""
+        builder = self._reserved_for(logprobs.shape[0])
+        width = int(budget) + 1
+        if builder is None or budget > builder.max_budget or \
+                builder.verify.full_mask.numel() < full_mask_numel(seq_lens_sum, width, logprobs.shape[0]):
+            trees = self.build(logprobs, ids, budget, roots)
+            return trees, self.verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum)
+        trees, verify = self._tree.build_trees_verify(logprobs, ids, int(budget), roots.to(torch.int64),
+                                                      seq_lens.to(torch.int64), seq_lens_sum=int(seq_lens_sum),
+                                                      out=builder.trees, out_verify=builder.verify,
+                                                      error_flag=self.tree_errors)
+        return _as_trees(trees), _as_verify(verify)
+
     def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
                   graph: bool = True, mark=None, prep_mark=None):
         """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft

@@ -168,9 +168,9 @@ class TreeStepGraphs(_Graphs):
 
         def body():
             lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)
-            trees = backend.build(lp, ids, budget, roots_in)
-            # the FULL_MASK kernel takes its offsets from seq_in on the device; the host size only cuts the view
-            backend.verify_inputs(trees, seq_in, seq_lens_sum=int(seq_lens_sum))
+            # tree and verify inputs in one launch (budgets <= 256); the FULL_MASK offsets come from seq_in on the
+            # device, the host size only cuts the view
+            trees, _ = backend.build_verify(lp, ids, budget, roots_in, seq_in, int(seq_lens_sum))
             # the result's views, kept with the graph (a round then cuts only the FULL_MASK, whose length follows
             # the committed lengths): eleven tensor views less of host work per round on a host-bound step
             return trees, verify_views(verify_buf, bs, width, 0), logits[:, :vocab]

@@ -27,7 +27,7 @@ from sglang_kdtree.gpu.topk import (
 )
 from sglang_kdtree.state import MAX_BUDGET
 
-__all__ = ["GpuTreeBatch", "build_trees", "TreeBuilder", "MAX_DEPTH"]
+__all__ = ["GpuTreeBatch", "build_trees", "build_trees_verify", "TreeBuilder", "MAX_DEPTH"]
 
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
@@ -37,6 +37,9 @@ _SMEM_LIMIT = 227 * 1024
 # warp 0's registers, exact for budget <= 64 * J); larger budgets the shared-memory slot kernel
 # (build_trees_kernel). Both are exact; tests set this to 0 to run the slot kernel at every budget.
 LIST_MAX_BUDGET = 256
+# build_trees_verify fuses the verify inputs into the list kernels' launch (build_trees_verify_list1/2/4); False
+# (benchmarks/round_parts.py --ab, tests) takes the two launches it replaces.
+FUSE_VERIFY = True
 
 
 _STATIC_SMEM: dict[str, int] = {}  # each tree kernel's static shared memory, read from the driver once
@@ -127,66 +130,109 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
     Returns:
         ``GpuTreeBatch`` of width ``N = max(B, 0) + 1``; nodes in pop order (score desc, then rank tuple).
     """
-    import torch
-
-    budget = _check_budget(budget)
-    for name, t in (("logprobs", logprobs), ("token_ids", token_ids), ("root_tokens", root_tokens)):
-        _require_cuda(name, t)
-    if not logprobs.dtype.is_floating_point:
-        raise TypeError(f"logprobs must be a floating-point array, got dtype {logprobs.dtype}")
-    if logprobs.dtype != torch.float32:
-        raise TypeError(f"logprobs must be float32 (topk_logprobs' output), got {logprobs.dtype}; cast with .float()")
-    if token_ids.dtype != torch.int64:
-        raise TypeError(f"token_ids must be int64, got dtype {token_ids.dtype}")
-    if root_tokens.dtype != torch.int64:
-        raise TypeError(f"root_tokens must be an int64 array, got dtype {root_tokens.dtype}")
-    if logprobs.ndim != 3 or root_tokens.shape != logprobs.shape[:1] or token_ids.shape != logprobs.shape:
-        raise ValueError(
-            f"expected logprobs [bs, L, K], token_ids of the same shape and root_tokens [bs], got "
-            f"{tuple(logprobs.shape)}, {tuple(token_ids.shape)} and {tuple(root_tokens.shape)}"
-        )
-    bs, depth, k = logprobs.shape
-    if depth > MAX_DEPTH:
-        raise ValueError(f"L = {depth} draft depths exceed the GPU limit {MAX_DEPTH}")
-    if depth > 0 and k == 0:
-        raise ValueError(f"logprobs has L={depth} depths but K=0 candidates")
-    if k > MAX_K:
-        raise ValueError(f"K = {k} candidates per depth exceed {MAX_K}; take top-K with K <= budget")
-    width = max(budget, 0) + 1
-    dev = logprobs.device
-    if out is None:
-        out = _alloc_tree(bs, width, dev)
-    else:
-        if out.tokens.numel() < bs * width or out.num_nodes.numel() < bs:
-            raise ValueError(f"out holds {out.tokens.numel()} rows, fewer than bs*(budget+1) = {bs * width}")
-        out = _slice_tree(out, bs, width)
-    if error_flag is None:
-        error_flag = new_error_flag(dev)
-    if bs == 0:
-        return out
-    lp = logprobs.contiguous()
-    ids = token_ids.contiguous()
-    roots = root_tokens.contiguous()
-    ks = min(k, width) if k else 1  # ranks >= budget + 1 can never be pushed
-    name = _tree_kernel_name(max(budget, 0))
-    smem = tree_smem_bytes(name, depth, ks)
-    fn = runtime.load_module(_KERNEL).get_function(name)
-    static_smem = _STATIC_SMEM.get(name)
-    if static_smem is None:
-        static_smem = _STATIC_SMEM[name] = fn.shared_size_bytes
-    if smem + static_smem > _SMEM_LIMIT:
-        raise ValueError(f"L*min(K, budget+1) = {depth}*{ks} log-probs do not fit in shared memory")
-    if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
-        fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - static_smem
-    with runtime.current_stream():
-        fn((bs,), (_THREADS,),
-           (_ptr(lp), _ptr(ids), _ptr(roots), np.int32(depth), np.int32(k), np.int32(max(budget, 0)), np.int32(ks),
-            _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents), _ptr(out.ranks), _ptr(out.scores),
-            _ptr(out.num_nodes), _ptr(error_flag)),
-           shared_mem=smem)
+    t = _TreeLaunch(logprobs, token_ids, budget, root_tokens, out, error_flag)
+    if t.bs:
+        t.launch(t.name, (t.bs,), ())
     if check:
-        raise_on_flag(error_flag, "build_trees")
-    return out
+        raise_on_flag(t.error_flag, "build_trees")
+    return t.out
+
+
+def build_trees_verify(logprobs, token_ids, budget: int, root_tokens, seq_lens, *, seq_lens_sum: int | None = None,
+                       out: GpuTreeBatch | None = None, out_verify=None, fill_prefix: bool = True, error_flag=None,
+                       check: bool = False):
+    """``build_trees`` then ``gpu.verify.verify_inputs`` of its trees, ``(GpuTreeBatch, GpuVerifyInputs)``: in one
+    launch for budgets the sorted-list kernels take (``build_trees_verify_list1/2/4``: each request's block builds
+    the tree, books every node's ancestor words and links as it pops it, and writes the verify inputs; further
+    blocks fill the request's FULL_MASK prefix columns meanwhile), else the two launches. Arguments as the two
+    functions' (``out_verify``: ``verify_inputs``' ``out``); the same outputs, bit for bit."""
+    from sglang_kdtree.gpu.verify import verify_inputs, verify_outputs
+
+    t = _TreeLaunch(logprobs, token_ids, budget, root_tokens, out, error_flag)
+    if t.name == "build_trees_kernel" or not FUSE_VERIFY:  # budgets past the list kernels: the two launches
+        if t.bs:
+            t.launch(t.name, (t.bs,), ())
+        res = verify_inputs(t.out, seq_lens, seq_lens_sum=seq_lens_sum, out=out_verify, fill_prefix=fill_prefix,
+                            error_flag=t.error_flag)
+        if check:
+            raise_on_flag(t.error_flag, "build_trees_verify")
+        return t.out, res
+    res = verify_outputs(seq_lens, t.bs, t.width, seq_lens_sum, out_verify, t.dev)
+    if t.bs:
+        sl = seq_lens.contiguous()
+        fill = -(-t.width // (_THREADS // 32)) if fill_prefix else 0  # one FULL_MASK row per warp of the fill blocks
+        t.launch(t.name.replace("build_trees_list", "build_trees_verify_list"), (t.bs, 1 + fill),
+                 (_ptr(sl), np.int32(1 if fill_prefix else 0), _ptr(res.input_ids), _ptr(res.positions),
+                  _ptr(res.ancestor_bits), _ptr(res.retrieve_index), _ptr(res.retrieve_next_token),
+                  _ptr(res.retrieve_next_sibling), _ptr(res.full_mask)))
+    if check:
+        raise_on_flag(t.error_flag, "build_trees_verify")
+    return t.out, res
+
+
+class _TreeLaunch:
+    """The checked arguments of one tree launch (``build_trees``' checks and output views) and ``launch``."""
+
+    def __init__(self, logprobs, token_ids, budget, root_tokens, out, error_flag):
+        import torch
+
+        budget = _check_budget(budget)
+        for name, t in (("logprobs", logprobs), ("token_ids", token_ids), ("root_tokens", root_tokens)):
+            _require_cuda(name, t)
+        if not logprobs.dtype.is_floating_point:
+            raise TypeError(f"logprobs must be a floating-point array, got dtype {logprobs.dtype}")
+        if logprobs.dtype != torch.float32:
+            raise TypeError(f"logprobs must be float32 (topk_logprobs' output), got {logprobs.dtype}; cast with "
+                            ".float()")
+        if token_ids.dtype != torch.int64:
+            raise TypeError(f"token_ids must be int64, got dtype {token_ids.dtype}")
+        if root_tokens.dtype != torch.int64:
+            raise TypeError(f"root_tokens must be an int64 array, got dtype {root_tokens.dtype}")
+        if logprobs.ndim != 3 or root_tokens.shape != logprobs.shape[:1] or token_ids.shape != logprobs.shape:
+            raise ValueError(
+                f"expected logprobs [bs, L, K], token_ids of the same shape and root_tokens [bs], got "
+                f"{tuple(logprobs.shape)}, {tuple(token_ids.shape)} and {tuple(root_tokens.shape)}"
+            )
+        bs, depth, k = logprobs.shape
+        if depth > MAX_DEPTH:
+            raise ValueError(f"L = {depth} draft depths exceed the GPU limit {MAX_DEPTH}")
+        if depth > 0 and k == 0:
+            raise ValueError(f"logprobs has L={depth} depths but K=0 candidates")
+        if k > MAX_K:
+            raise ValueError(f"K = {k} candidates per depth exceed {MAX_K}; take top-K with K <= budget")
+        width = max(budget, 0) + 1
+        dev = logprobs.device
+        if out is None:
+            out = _alloc_tree(bs, width, dev)
+        else:
+            if out.tokens.numel() < bs * width or out.num_nodes.numel() < bs:
+                raise ValueError(f"out holds {out.tokens.numel()} rows, fewer than bs*(budget+1) = {bs * width}")
+            out = _slice_tree(out, bs, width)
+        self.error_flag = new_error_flag(dev) if error_flag is None else error_flag
+        self.bs, self.depth, self.k, self.budget, self.width, self.dev, self.out = bs, depth, k, budget, width, dev, out
+        self.name = _tree_kernel_name(max(budget, 0))
+        if bs:
+            self.lp, self.ids, self.roots = logprobs.contiguous(), token_ids.contiguous(), root_tokens.contiguous()
+
+    def launch(self, name: str, grid: tuple, extra: tuple) -> None:
+        """Launches tree kernel ``name`` (a ``self.name`` kind) on ``grid`` with its arguments, then ``extra``."""
+        ks = min(self.k, self.width) if self.k else 1  # ranks >= budget + 1 can never be pushed
+        smem = tree_smem_bytes(self.name, self.depth, ks)
+        fn = runtime.load_module(_KERNEL).get_function(name)
+        static_smem = _STATIC_SMEM.get(name)
+        if static_smem is None:
+            static_smem = _STATIC_SMEM[name] = fn.shared_size_bytes
+        if smem + static_smem > _SMEM_LIMIT:
+            raise ValueError(f"L*min(K, budget+1) = {self.depth}*{ks} log-probs do not fit in shared memory")
+        if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
+            fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - static_smem
+        out = self.out
+        with runtime.current_stream():
+            fn(grid, (_THREADS,),
+               (_ptr(self.lp), _ptr(self.ids), _ptr(self.roots), np.int32(self.depth), np.int32(self.k),
+                np.int32(max(self.budget, 0)), np.int32(ks), _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents),
+                _ptr(out.ranks), _ptr(out.scores), _ptr(out.num_nodes), _ptr(self.error_flag)) + extra,
+               shared_mem=smem)
 
 
 class TreeBuilder:
@@ -241,6 +287,13 @@ class TreeBuilder:
         return verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum, out=self.verify, fill_prefix=fill_prefix,
                              error_flag=self.error_flag)
 
+    def build_verify(self, logprobs, token_ids, budget: int, root_tokens, seq_lens, seq_lens_sum: int,
+                     fill_prefix: bool = True):
+        """``build`` then ``verify_inputs`` (``build_trees_verify``: one launch for budgets up to 256)."""
+        return build_trees_verify(logprobs, token_ids, budget, root_tokens, seq_lens, seq_lens_sum=seq_lens_sum,
+                                  out=self.trees, out_verify=self.verify, fill_prefix=fill_prefix,
+                                  error_flag=self.error_flag)
+
     def round(self, logits, budget: int, root_tokens, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
         """Draft logits ``[bs, L, V]`` -> (``GpuTreeBatch``, ``GpuVerifyInputs``), all on the device.
 
@@ -248,8 +301,7 @@ class TreeBuilder:
         ``batch.seq_lens_sum``); it sizes the FULL_MASK without a sync.
         """
         lp, ids = self.topk(logits, budget)
-        trees = self.build(lp, ids, budget, root_tokens)
-        return trees, self.verify_inputs(trees, seq_lens, seq_lens_sum, fill_prefix)
+        return self.build_verify(lp, ids, budget, root_tokens, seq_lens, seq_lens_sum, fill_prefix)
 
     def check(self) -> None:
         raise_on_flag(self.error_flag, "TreeBuilder")

@@ -17,7 +17,7 @@ from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import _ptr, _require_cuda, new_error_flag, raise_on_flag
 from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH
 
-__all__ = ["GpuVerifyInputs", "verify_inputs", "alloc_verify_inputs", "full_mask_numel"]
+__all__ = ["GpuVerifyInputs", "verify_inputs", "verify_outputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
 _ROWS_PER_BLOCK = 8  # = VERIFY_WARPS in the kernel: one row per warp
@@ -82,6 +82,39 @@ def verify_views(out: GpuVerifyInputs, bs: int, width: int, mask_numel: int) -> 
     )
 
 
+def verify_outputs(seq_lens, bs: int, width: int, seq_lens_sum, out: GpuVerifyInputs | None, dev) -> GpuVerifyInputs:
+    """Checks ``seq_lens`` (``[bs]`` int64 CUDA), ``seq_lens_sum`` and the width, and returns the views of ``out`` (or
+    of new buffers) that verify inputs for ``bs`` trees of width ``width`` are written to (``verify_inputs`` and
+    ``gpu.tree.build_trees_verify``)."""
+    import torch
+
+    _require_cuda("seq_lens", seq_lens)
+    if seq_lens.dtype != torch.int64:
+        raise TypeError(f"seq_lens must be an int64 array, got dtype {seq_lens.dtype}")
+    if tuple(seq_lens.shape) != (bs,):
+        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected {(bs,)}")
+    if not 1 <= width <= _MAX_WIDTH:
+        raise ValueError(f"tree width N = {width} must lie in [1, {_MAX_WIDTH}]")
+    if seq_lens_sum is None:
+        seq_lens_sum = int(seq_lens.sum().item())  # the one sync; pass seq_lens_sum to avoid it
+    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, (int, np.integer)) or seq_lens_sum < 0:
+        raise ValueError(f"seq_lens_sum must be an int >= 0, got {seq_lens_sum!r}")
+    words = (width + 31) // 32
+    n = bs * width
+    mask_numel = full_mask_numel(seq_lens_sum, width, bs)
+    if out is None:
+        out = alloc_verify_inputs(bs, width, mask_numel, dev)
+    else:
+        if out.input_ids.numel() < n or out.ancestor_bits.numel() < n * words:
+            raise ValueError(f"out holds {out.input_ids.numel()} rows, fewer than bs*N = {n}")
+        if out.full_mask.numel() < mask_numel:
+            raise ValueError(
+                f"out.full_mask holds {out.full_mask.numel()} bytes, fewer than sum(seq_lens)*N + N*N*bs = "
+                f"{mask_numel}; build the TreeBuilder with a larger max_mask_bytes"
+            )
+    return verify_views(out, bs, width, mask_numel)
+
+
 def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuVerifyInputs | None = None,
                   fill_prefix: bool = True, error_flag=None, check: bool = False) -> GpuVerifyInputs:
     """Verify inputs for a batch of trees; twin of ``reference.verify_inputs``.
@@ -101,9 +134,6 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
         _require_cuda(f"trees.{name}", getattr(trees, name))
         if getattr(trees, name).dtype != torch.int64:
             raise TypeError(f"trees.{name} must be int64, got {getattr(trees, name).dtype}")
-    _require_cuda("seq_lens", seq_lens)
-    if seq_lens.dtype != torch.int64:
-        raise TypeError(f"seq_lens must be an int64 array, got dtype {seq_lens.dtype}")
     if trees.tokens.ndim != 2:
         raise ValueError(f"trees.tokens must be [bs, N], got shape {tuple(trees.tokens.shape)}")
     bs, width = trees.tokens.shape
@@ -112,31 +142,9 @@ def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuV
             raise ValueError(f"trees.{name} has shape {tuple(getattr(trees, name).shape)}, expected {(bs, width)}")
     if tuple(trees.num_nodes.shape) != (bs,):
         raise ValueError(f"trees.num_nodes has shape {tuple(trees.num_nodes.shape)}, expected {(bs,)}")
-    if tuple(seq_lens.shape) != (bs,):
-        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected {(bs,)}")
-    if not 1 <= width <= _MAX_WIDTH:
-        raise ValueError(f"tree width N = {width} must lie in [1, {_MAX_WIDTH}]")
-    if seq_lens_sum is None:
-        seq_lens_sum = int(seq_lens.sum().item())  # the one sync; pass seq_lens_sum to avoid it
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, (int, np.integer)) or seq_lens_sum < 0:
-        raise ValueError(f"seq_lens_sum must be an int >= 0, got {seq_lens_sum!r}")
-    words = (width + 31) // 32
-    n = bs * width
-    mask_numel = full_mask_numel(seq_lens_sum, width, bs)
-    dev = trees.tokens.device
-    if out is None:
-        out = alloc_verify_inputs(bs, width, mask_numel, dev)
-    else:
-        if out.input_ids.numel() < n or out.ancestor_bits.numel() < n * words:
-            raise ValueError(f"out holds {out.input_ids.numel()} rows, fewer than bs*N = {n}")
-        if out.full_mask.numel() < mask_numel:
-            raise ValueError(
-                f"out.full_mask holds {out.full_mask.numel()} bytes, fewer than sum(seq_lens)*N + N*N*bs = "
-                f"{mask_numel}; build the TreeBuilder with a larger max_mask_bytes"
-            )
-    res = verify_views(out, bs, width, mask_numel)
+    res = verify_outputs(seq_lens, bs, width, seq_lens_sum, out, trees.tokens.device)
     if error_flag is None:
-        error_flag = new_error_flag(dev)
+        error_flag = new_error_flag(trees.tokens.device)
     if bs == 0:
         return res
     tok, dep, par, nn = (t.contiguous() for t in (trees.tokens, trees.depths, trees.parents, trees.num_nodes))

@@ -747,3 +747,95 @@ def test_tree_all_scores_equal_forces_tuple_order(tree_kernel):
         ids = rng.integers(0, 50000, size=(2, depth, k)).astype(np.int64)
         roots = np.arange(2, dtype=np.int64)
         _compare_full(_poisoned_build(tree, lp, ids, budget, roots), lp, ids, budget, roots)
+
+
+def _fused_case(rng, bs, budget, depth, k, seq, tie_heavy, fill_prefix=True):
+    """``build_trees_verify`` (one launch up to budget 256) into poisoned tree and verify buffers (a poisoned guard
+    past what the batch may write) against reference.verify_inputs of reference.build_trees, every output exact
+    (the mask as bytes: an unwritten byte keeps the poison), and against ``build_trees`` + ``verify_inputs``."""
+    _, tree, verify = _gpu()
+    lp, ids = _sorted_rows(rng, bs, depth, k, tie_heavy=tie_heavy)
+    if k > 2 and bs > 1:
+        lp[1, :, k // 2:] = -np.inf  # every row cut short
+    roots = rng.integers(0, 1000, size=bs).astype(np.int64)
+    width = max(budget, 0) + 1
+    mask_numel = verify.full_mask_numel(int(seq.sum()), width, bs)
+    out_v = verify.alloc_verify_inputs(bs + 1, width, mask_numel + 4096, "cuda")
+    _poison_verify_out(out_v)
+    out_t = tree._alloc_tree(bs, width, "cuda")
+    for t in (out_t.tokens, out_t.depths, out_t.parents, out_t.ranks, out_t.num_nodes):
+        t.fill_(12345)
+    out_t.scores.fill_(-7.25)
+    g = [torch.from_numpy(a).cuda() for a in (lp, ids, roots, seq)]
+    got_t, got_v = tree.build_trees_verify(g[0], g[1], budget, g[2], g[3], seq_lens_sum=int(seq.sum()), out=out_t,
+                                           out_verify=out_v, fill_prefix=fill_prefix, check=True)
+    _compare_full(got_t, lp, ids, budget, roots)
+    want = ref.verify_inputs(ref.build_trees(lp, ids, budget, roots), seq)
+    for f in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
+        np.testing.assert_array_equal(getattr(got_v, f).cpu().numpy().reshape(getattr(want, f).shape),
+                                      getattr(want, f), err_msg=f)
+    np.testing.assert_array_equal(got_v.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
+    mask = got_v.full_mask.view(torch.uint8).cpu().numpy()
+    want_mask = want.full_mask.astype(np.uint8)
+    if not fill_prefix:  # the prefix columns untouched (the poison), the tree columns written
+        at = 0
+        for b in range(bs):
+            rows = np.arange(width * (int(seq[b]) + width)).reshape(width, -1) + at
+            want_mask[rows[:, :int(seq[b])]] = _MASK_POISON
+            at += rows.size
+    np.testing.assert_array_equal(mask, want_mask, err_msg="full_mask")
+    _assert_untouched_past(out_v, mask_numel, bs * width)
+    # the two launches it replaces, on the same input: the same bytes everywhere
+    two_t = tree.build_trees(g[0], g[1], budget, g[2], check=True)
+    two_v = verify.verify_inputs(two_t, g[3], seq_lens_sum=int(seq.sum()), fill_prefix=fill_prefix, check=True)
+    for f in dataclasses.fields(two_t):
+        assert torch.equal(getattr(two_t, f.name), getattr(got_t, f.name)), f.name
+    for f in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
+              "ancestor_bits"):
+        assert torch.equal(getattr(two_v, f), getattr(got_v, f)), f
+    if fill_prefix:
+        assert torch.equal(two_v.full_mask, got_v.full_mask)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257])
+def test_tree_verify_fused_exact(budget, tree_kernel):
+    """The fused launch at budgets around each list kernel's limit and its ancestor-word boundaries (257, and every
+    budget with the slot kernel forced: the two launches), mixed prefix lengths (0, odd: unaligned FULL_MASK rows),
+    tie-heavy and spread inputs, L 1 / 15 / 31, K below and above the budget."""
+    rng = np.random.default_rng(4000 + budget)
+    for bs, depth, k in ((1, 15, 64), (5, 31, 33), (4, 1, 8), (3, 15, max(1, budget + 2))):
+        for tie_heavy in (True, False):
+            seq = rng.integers(0, 300, size=bs).astype(np.int64)
+            seq[0] = 0
+            if bs > 2:
+                seq[2] = 37
+            _fused_case(rng, bs, budget, depth, min(k, 1024), seq, tie_heavy)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 200])
+def test_tree_verify_fused_long_prefixes_and_no_fill(budget):
+    """Prefixes of thousands of columns (every fill block busy, rows far from 4-byte alignment), a batch of 40
+    (FULL_MASK offsets summed over many requests), and fill_prefix off (the prefix columns left as they were)."""
+    rng = np.random.default_rng(budget)
+    _fused_case(rng, 3, budget, 15, 64, np.array([5001, 0, 12347], dtype=np.int64), tie_heavy=False)
+    _fused_case(rng, 40, budget, 15, 64, rng.integers(0, 900, size=40).astype(np.int64), tie_heavy=True)
+    _fused_case(rng, 3, budget, 15, 64, np.array([77, 1000, 3], dtype=np.int64), tie_heavy=True, fill_prefix=False)
+
+
+def test_tree_verify_fused_flags_bad_input():
+    """The fused launch validates the log-probs as build_trees does (the same error bits, raised by check=True) and
+    still writes a tree and its verify inputs."""
+    _, tree, _ = _gpu()
+    lp = -torch.rand(2, 3, 4, device="cuda").sort(dim=-1).values
+    ids = torch.zeros(2, 3, 4, dtype=torch.int64, device="cuda")
+    roots = torch.zeros(2, dtype=torch.int64, device="cuda")
+    seq = torch.tensor([3, 9], dtype=torch.int64, device="cuda")
+    bad = lp.clone()
+    bad[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        tree.build_trees_verify(bad, ids, 5, roots, seq, seq_lens_sum=12, check=True)
+    bad_ids = ids.clone()
+    bad_ids[0, 2, 1] = -1
+    with pytest.raises(ValueError, match="negative id"):
+        tree.build_trees_verify(lp, bad_ids, 5, roots, seq, seq_lens_sum=12, check=True)
+    tree.build_trees_verify(lp, ids, 5, roots, seq, seq_lens_sum=12, check=True)  # clean input: no error
