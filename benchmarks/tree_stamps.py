@@ -1,6 +1,6 @@
 """Where the best-first tree kernel's time goes: ``build_trees_list1`` (budget <= 64, the kernel a server's tree step
 launches at budget 64) with ``clock64`` stamps in a patched copy, block 0, per phase: staging the log-probs, the pop
-loop (warp 0), the input validation (warps 1-3 beside it; 2-3 in the fused kernels), the write-out; plus each copy's graph-replayed time.
+loop (warp 0), the input validation (warps 1-3, beside it), the write-out; plus each copy's graph-replayed time.
 
     python benchmarks/tree_stamps.py [--batches 1 8 32] [--old PATH/best_first_tree.cu] [--json OUT.json]
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, the padded-rows list
-# up to b8f07d1, and since with the fused kernels' follower warp), and where they go: after which line of the body
+# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, and the padded-rows list
+# since), and where they go: after which line of the body
 BODIES = ("""  stage_rows(S, lp, L, K, KS);
   if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
@@ -37,31 +37,18 @@ BODIES = ("""  stage_rows(S, lp, L, K, KS);
     if (tid == 0) s_nodes = n;
   }
   validate_rows(lp, ids, L, K, err);
-  __syncthreads();""", """  stage_rows_padded(S, lp, L, K, KS);
-  if (tid == 0) s_nodes = 0;
-  __syncthreads();
-  if (tid < 32) {
-    const int n = list_tree<J>(S, L, stride, budget, node_meta, node_score);
-    if (tid == 0) s_nodes = n;
-  }
-  if (V) followed = follow_pops<J>(vo, b, N, W, budget, P, node_meta, &s_nodes, &s_done, book, &base);
-  validate_rows(lp, ids, L, K, err, V ? 64 : 32);
   __syncthreads();""")
 GLOBAL_T = 'unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); if (b == 0) g_st[{}] = g;'
-STAMPS = {0: "  if (tid == 0) STAMP(1);", 2: "  if (tid == 0) STAMP(2);", 6: "  if (tid == 0) STAMP(3);",
-          7: "  if (tid == 32) STAMP(4);", 8: "  if (tid == 0) STAMP(5);"}
-# per body: after which line each stamp goes (the third body: warp 1 follows the pops, warps 2.. validate)
-STAMPS_AFTER = (STAMPS, STAMPS, {0: STAMPS[0], 2: STAMPS[2], 6: STAMPS[6], 8: "  if (tid == 64) STAMP(4);",
-                                 9: STAMPS[8]})
+STAMPS_AFTER = {0: "  if (tid == 0) STAMP(1);", 2: "  if (tid == 0) STAMP(2);", 6: "  if (tid == 0) STAMP(3);",
+                7: "  if (tid == 32) STAMP(4);", 8: "  if (tid == 0) STAMP(5);"}
 
 
 def stamped_body(body: str) -> str:
-    stamps = STAMPS_AFTER[BODIES.index(body)]
     out = ["  if (tid == 0) { STAMP(0); " + GLOBAL_T.format(10) + " }"]
     for i, line in enumerate(body.split("\n")):
         out.append(line)
-        if i in stamps:
-            out.append(stamps[i])
+        if i in STAMPS_AFTER:
+            out.append(STAMPS_AFTER[i])
     return "\n".join(out)
 
 
@@ -71,7 +58,7 @@ ENDS = ("""scores, num_nodes);
 }
 
 // build_trees_list<J> for budget <= 64 * J""", """scores, num_nodes, V ? &rows : nullptr);
-  if (V && tid >> 5 == 1) {""")
+  if (V) {""")
 END_STAMP = "  if (tid == 0) { STAMP(6); " + GLOBAL_T.format(11) + " }\n"  # after the end's first line
 HEAD = ("__device__ unsigned long long g_st[16];\n"
         "#define STAMP(i) do { if (blockIdx.x == 0) g_st[i] = clock64(); } while (0)\n")

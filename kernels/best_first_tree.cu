@@ -611,18 +611,18 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int stride, int
 // ---------------------------------------------------------------------------------------------------
 // The fused tree + verify kernels (build_trees_verify_list1/2/4): build_trees_list<J> and, in the same launch, the
 // verify inputs of the tree it builds (verify_inputs.cu's outputs, layout and padding; twin: reference.verify_inputs
-// of the tree). Warp 0's pop loop is the plain kernels'. Warp 1 follows it: node n's meta is written once, at its
-// pop, into node_meta (cleared to FOLLOW_EMPTY before the loop), so warp 1 spins on the next node's slot and books
-// each node as it appears, in pop order, as reference.verify_inputs does: its ancestor-or-self words are its
-// parent's plus its own bit (the parent was popped before it), and a parent's children arrive in pop order (first
-// child, then next sibling of the previous one: the reference's last_child rule). It streams each node's ancestor
-// words and the tree columns of its FULL_MASK row while warp 0 pops (another scheduler's issue slots); what it has
-// not reached when the loop ends (seen through s_done, or not yet visible) it books after the block's barrier, then
-// writes the links and the padding rows. Warps 2.. validate the input; after the barrier write_tree also writes each
-// row's input id, position and retrieve index. Blocks y >= 1 of the grid fill the FULL_MASK prefix columns.
+// of the tree). The pop loop is the plain kernels'; after the block's barrier all threads derive the verify inputs
+// from the nodes' metas (node i's parent, depth and staged offset) in parallel:
+//   - a thread per row walks the row's ancestor chain (parents < i, depth <= 31) and writes its ancestor-or-self
+//     words, highest first (the chain decreases), to ancestor_bits and to shared memory (`anc`);
+//   - a thread per node finds its next sibling, the first later node with its parent (reference.verify_inputs'
+//     last_child rule gives the same: a parent's children are popped in rank order), and a rank-0 node is its
+//     parent's first child;
+//   - after a second barrier, a warp per row writes the tree columns of its FULL_MASK row from `anc`, and a thread
+//     per row the links;
+// and write_tree also writes each row's input id (its token), position (P + depth) and retrieve index. Blocks y >= 1
+// of the grid fill the FULL_MASK prefix columns meanwhile.
 // ---------------------------------------------------------------------------------------------------
-
-#define FOLLOW_EMPTY 0xffffffffu  // a node_meta slot not yet popped (no meta is all ones: parent <= 256 < 2^11 - 1)
 
 // The verify outputs (verify_inputs.cu's arguments).
 struct VerifyOut {
@@ -631,14 +631,6 @@ struct VerifyOut {
   long long *input_ids, *positions, *retrieve_index, *next_token, *next_sibling;
   u32* ancestor_bits;
   unsigned char* full_mask;
-};
-
-// Warp 1's bookkeeping in shared memory for NMAX = 64 J + 1 nodes, one u32 array: each node's ancestor-or-self
-// words (rows of W = ceil(N / 32)), then per node its last popped child, first child and next sibling (-1: none).
-template <int J>
-struct FollowBook {
-  static constexpr int NMAX = 64 * J + 1, WMAX = (NMAX + 31) / 32;
-  static constexpr int LAST = NMAX * WMAX, FIRST = LAST + NMAX, NEXT = FIRST + NMAX, WORDS = NEXT + NMAX;
 };
 
 // Blocks y >= 1 (gridDim.y - 1 of them per request): the True prefix columns of request b's FULL_MASK rows, a warp
@@ -651,59 +643,68 @@ __device__ __forceinline__ void fill_prefix_rows(const VerifyOut& vo, int b, int
     fill_ones(base + (long long)i * (P + N), P, lane);
 }
 
-// Warp 1 books row i: node i (meta m, parent p; p = -1 and i > 0: a padding row, itself only) gets its
-// ancestor-or-self words (book and ancestor_bits) and the tree columns of its FULL_MASK row (`mrow`: byte j = bit j;
-// lane `lane` writes bytes lane, lane + 32, ...: bit `lane` of word w, shuffled from lane w). Lane w < W keeps word w
-// of every row (it reads back only its own writes); lane 0 alone keeps the links.
-template <int J>
-__device__ __forceinline__ void follow_row(int i, int p, u32* book, int W, int N, u32* __restrict__ anc_out,
-                                           unsigned char* mrow) {
-  typedef FollowBook<J> B;
-  const int lane = threadIdx.x & 31;
-  u32 a = (p >= 0 && lane < W) ? book[p * W + lane] : 0u;
-  if (lane == (i >> 5)) a |= 1u << (i & 31);
-  if (lane < W) {
-    book[i * W + lane] = a;
-    anc_out[i * W + lane] = a;
-  }
-  if (p >= 0 && lane == 0) {
-    const int lc = (int)book[B::LAST + p];
-    book[lc < 0 ? B::FIRST + p : B::NEXT + lc] = (u32)i;
-    book[B::LAST + p] = (u32)i;
-  }
-  for (int w = 0; w < W; ++w) {
-    const u32 word = __shfl_sync(FULL, a, w);
-    if (w * 32 + lane < N) mrow[w * 32 + lane] = (unsigned char)((word >> lane) & 1u);
+// Block 0's verify inputs of the n-node tree (after the barrier that follows the pops; see above): ancestor words and
+// links, into shared memory too. anc: N * W words of shared memory; first / next: N ints each, -1 (set before that
+// barrier).
+__device__ __forceinline__ void write_verify_rows(const VerifyOut& vo, int b, int N, int W, int n, int stride,
+                                                  const u32* node_meta, u32* anc, int* first, int* next) {
+  const int tid = threadIdx.x;
+  const long long row = (long long)b * N;
+  u32* anc_out = vo.ancestor_bits + row * W;
+  for (int i = tid; i < N; i += blockDim.x) {
+    // ancestor-or-self words from the row's own word down (padding rows: itself only)
+    int x = i, cw = i >> 5;
+    u32 word = 0;
+    for (int w = cw + 1; w < W; ++w) anc[i * W + w] = anc_out[i * W + w] = 0u;
+    while (x >= 0) {
+      for (; cw > (x >> 5); --cw) {
+        anc[i * W + cw] = anc_out[i * W + cw] = word;
+        word = 0;
+      }
+      word |= 1u << (x & 31);
+      x = (x >= 1 && x <= n) ? lm_parent(node_meta[x]) : -1;  // the root (x = 0) and padding rows end the chain
+    }
+    for (; cw >= 0; --cw) {
+      anc[i * W + cw] = anc_out[i * W + cw] = word;
+      word = 0;
+    }
+    if (i >= 1 && i <= n) {
+      const u32 m = node_meta[i];
+      const int p = lm_parent(m), d = lm_depth(m);
+      if ((lm_off(m) >> 3) == (d - 1) * stride) first[p] = i;  // rank 0: its parent's first child
+      int sib = -1;  // four independent loads per step
+      for (int j0 = i + 1; j0 <= n && sib < 0; j0 += 4) {
+#pragma unroll
+        for (int u = 3; u >= 0; --u)
+          if (j0 + u <= n && lm_parent(node_meta[j0 + u]) == p) sib = j0 + u;
+      }
+      next[i] = sib;
+    }
   }
 }
 
-// The fused kernels after warp 0's loop: warp 0 publishes the node count (s_done); warp 1 books the root's row, then
-// every node as warp 0's pops publish it (node_meta[i] leaves FOLLOW_EMPTY), until the loop has ended; returns the
-// rows booked (warp 1; 0 elsewhere). *base: request b's FULL_MASK block (warp 1).
-template <int J>
-__device__ __forceinline__ int follow_pops(const VerifyOut& vo, int b, int N, int W, int budget, long long P,
-                                           const u32* node_meta, const int* s_nodes, int* s_done, u32* book,
-                                           unsigned char** base) {
-  const int warp = threadIdx.x >> 5;
-  if (warp == 0) {
-    if (threadIdx.x == 0) *(volatile int*)s_done = *s_nodes;
-    return 0;
+// The tree columns of the FULL_MASK rows, a warp per row (byte j: bit j of word j / 32: lane `lane` writes bit `lane`
+// of each word), and the links; after the barrier that follows write_verify_rows. The row's words are read first
+// (shared loads: global stores through a generic pointer would otherwise hold them back), WMAX of them at most.
+template <int WMAX>
+__device__ __forceinline__ void write_verify_mask(const VerifyOut& vo, int b, int N, int W, long long P,
+                                                  const u32* anc, const int* first, const int* next) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  const long long row = (long long)b * N;
+  unsigned char* base = vo.full_mask + (long long)N * N * b + (long long)N * warp_sum_before(vo.seq_lens, b) + P;
+  for (int i = warp; i < N; i += nw) {
+    u32 wd[WMAX];
+#pragma unroll
+    for (int w = 0; w < WMAX; ++w) wd[w] = w < W ? anc[i * W + w] : 0u;
+    unsigned char* mrow = base + (long long)i * (P + N);
+#pragma unroll
+    for (int w = 0; w < WMAX; ++w)
+      if (w * 32 + lane < N) mrow[w * 32 + lane] = (unsigned char)((wd[w] >> lane) & 1u);
   }
-  if (warp != 1) return 0;
-  *base = vo.full_mask + (long long)N * N * b + (long long)N * warp_sum_before(vo.seq_lens, b);
-  u32* anc_out = vo.ancestor_bits + (long long)b * N * W;
-  follow_row<J>(0, -1, book, W, N, anc_out, *base + P);
-  int i = 1;
-  while (i <= budget) {
-    const u32 m = *(const volatile u32*)&node_meta[i];
-    if (m == FOLLOW_EMPTY) {
-      if (*(volatile int*)s_done >= 0) break;  // the loop has ended: the rest after the barrier
-      continue;
-    }
-    follow_row<J>(i, lm_parent(m), book, W, N, anc_out, *base + (long long)i * (P + N) + P);
-    ++i;
+  for (int i = tid; i < N; i += blockDim.x) {
+    vo.next_token[row + i] = first[i];
+    vo.next_sibling[row + i] = next[i];
   }
-  return i;
 }
 
 template <int J, bool V>
@@ -718,11 +719,12 @@ __device__ __forceinline__ void build_trees_list(
   __shared__ double node_score[64 * J + 1];
   __shared__ u32 node_meta[64 * J + 1];
   __shared__ int s_nodes;
-  __shared__ u32 book[V ? FollowBook<J>::WORDS : 1];  // V: warp 1's
-  __shared__ int s_done;                               // V: the node count once warp 0's loop has ended (-1 before)
+  constexpr int NMAX = 64 * J + 1, WMAX = (NMAX + 31) / 32;
+  __shared__ u32 anc[V ? NMAX * WMAX : 1];  // V: each row's ancestor-or-self words
+  __shared__ int first[V ? NMAX : 1], next[V ? NMAX : 1];
 
   const int tid = threadIdx.x, b = blockIdx.x, stride = KS + 1;
-  const int N = budget + 1, W = (N + 31) >> 5;
+  const int N = budget + 1;
   if (V && blockIdx.y > 0) {
     fill_prefix_rows(vo, b, N);
     return;
@@ -732,15 +734,8 @@ __device__ __forceinline__ void build_trees_list(
   long long P = 0;
   if (V) {
     P = vo.seq_lens[b];
-    typedef FollowBook<J> B;
-    for (int i = tid; i < N; i += blockDim.x) {
-      book[B::LAST + i] = book[B::FIRST + i] = book[B::NEXT + i] = 0xffffffffu;
-      node_meta[i] = FOLLOW_EMPTY;
-    }
-    if (tid == 0) s_done = -1;
+    for (int i = tid; i < N; i += blockDim.x) first[i] = next[i] = -1;
   }
-  unsigned char* base = nullptr;
-  int followed = 0;
   stage_rows_padded(S, lp, L, K, KS);
   if (tid == 0) s_nodes = 0;
   __syncthreads();
@@ -748,9 +743,9 @@ __device__ __forceinline__ void build_trees_list(
     const int n = list_tree<J>(S, L, stride, budget, node_meta, node_score);
     if (tid == 0) s_nodes = n;
   }
-  if (V) followed = follow_pops<J>(vo, b, N, W, budget, P, node_meta, &s_nodes, &s_done, book, &base);
-  validate_rows(lp, ids, L, K, err, V ? 64 : 32);
+  validate_rows(lp, ids, L, K, err);
   __syncthreads();
+  if (V) write_verify_rows(vo, b, N, (N + 31) >> 5, s_nodes, stride, node_meta, anc, first, next);
   const VerifyRows rows{vo.input_ids, vo.positions, vo.retrieve_index, P};
   write_tree(b, N, s_nodes, ids, K, root_tokens,
              [&](int i) {
@@ -759,19 +754,9 @@ __device__ __forceinline__ void build_trees_list(
                return make_int3(d, (lm_off(m) >> 3) - (d - 1) * stride, lm_parent(m));
              },
              node_score, tokens, depths, parents, ranks, scores, num_nodes, V ? &rows : nullptr);
-  if (V && tid >> 5 == 1) {  // the rows warp 1 has not booked (padding rows: itself only), then every row's links
-    typedef FollowBook<J> B;
-    const int n = s_nodes;
-    u32* anc_out = vo.ancestor_bits + (long long)b * N * W;
-    for (; followed < N; ++followed)
-      follow_row<J>(followed, followed <= n ? lm_parent(node_meta[followed]) : -1, book, W, N, anc_out,
-                    base + (long long)followed * (P + N) + P);
-    __syncwarp();  // lane 0's links
-    const long long row = (long long)b * N;
-    for (int i = tid & 31; i < N; i += 32) {
-      vo.next_token[row + i] = (int)book[B::FIRST + i];  // -1 (none) as a u32 reads back as -1
-      vo.next_sibling[row + i] = (int)book[B::NEXT + i];
-    }
+  if (V) {
+    __syncthreads();  // every row's words and links
+    write_verify_mask<WMAX>(vo, b, N, (N + 31) >> 5, P, anc, first, next);
   }
 }
 
