@@ -143,8 +143,8 @@ def build_trees_verify(logprobs, token_ids, budget: int, root_tokens, seq_lens, 
                        check: bool = False):
     """``build_trees`` then ``gpu.verify.verify_inputs`` of its trees, ``(GpuTreeBatch, GpuVerifyInputs)``: in one
     launch for budgets the sorted-list kernels take (``build_trees_verify_list1/2/4``: each request's block builds
-    the tree, books every node's ancestor words and links as it pops it, and writes the verify inputs; further
-    blocks fill the request's FULL_MASK prefix columns meanwhile), else the two launches. Arguments as the two
+    the tree, then derives the verify inputs from its nodes in parallel; further blocks fill the request's
+    FULL_MASK prefix columns meanwhile), else (or with ``FUSE_VERIFY`` off) the two launches. Arguments as the two
     functions' (``out_verify``: ``verify_inputs``' ``out``); the same outputs, bit for bit."""
     from sglang_kdtree.gpu.verify import verify_inputs, verify_outputs
 
