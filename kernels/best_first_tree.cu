@@ -4,7 +4,8 @@
 // One block per request (grid = bs, block = TREE_THREADS = 128; any multiple of 32 works). All threads stage
 // the per-depth log-prob rows (only the first KS = min(K, budget + 1) ranks can ever be pushed) in shared
 // memory; then warp 0 builds the tree while warps 1.. validate the whole [L, K] input (NaN, +inf, unsorted
-// rows, negative ids: bits of an int32 flag, no host sync); then all threads write the padded outputs.
+// rows, negative ids: bits of an int32 flag, no host sync); then all threads write the padded outputs. The
+// sorted-list kernels (below) also come fused with the verify inputs (build_trees_verify_list1/2/4, further below).
 //
 // Pop order is the reference's total order:
 //     higher float64 score first; equal scores: the lexicographically smaller rank tuple (prefix smaller).
@@ -92,9 +93,8 @@ __device__ __forceinline__ void init_root(short* node_parent, short* node_rank, 
   *s_nodes = 0;
 }
 
-// Validation of the whole input (the reference checks every entry): the threads from `first` on (warps 1.., or 2..
-// in the fused kernels, whose warp 1 follows the pops) while warp 0 builds the tree; a block with no thread from
-// `first` on validates with its first warp after it.
+// Validation of the whole input (the reference checks every entry): the threads from `first` on (warps 1..) while
+// warp 0 builds the tree; a block with no thread from `first` on validates with its first warp after it.
 __device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err,
                                               int first = 32) {
   const int tid = threadIdx.x, nthreads = blockDim.x;
@@ -775,8 +775,8 @@ LIST_KERNEL(2)
 LIST_KERNEL(4)
 
 // The fused tree + verify kernels: build_trees_list<J>'s arguments, then verify_inputs.cu's (seq_lens [bs] int64,
-// fill_prefix and its outputs); grid (bs, 1 + F), F = 0 when fill_prefix is 0. 128 threads (warps 0, 1 and 2.. as
-// described above).
+// fill_prefix and its outputs); grid (bs, 1 + F), F = 0 when fill_prefix is 0 (the launcher: one FULL_MASK row per
+// warp of the fill blocks); block shape and shared memory as build_trees_list<J>'s.
 #define LIST_VERIFY_KERNEL(J)                                                                                       \
   extern "C" __global__ void __launch_bounds__(128, 1) build_trees_verify_list##J(                               \
       const float* __restrict__ logprobs, const long long* __restrict__ token_ids,                               \
