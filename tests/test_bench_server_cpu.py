@@ -9,6 +9,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -122,6 +124,33 @@ def test_round_parts_groups_kernel_records_per_replay():
     assert out["span"] == 14.5
     bad = parts.group_kernel_records(records[:-1], 3)  # a record missing: not split into replays
     assert "not grouped" in bad["kernels"][0][0] and bad["span"] != bad["span"]
+
+
+def test_round_parts_ab_runs_each_batch_fused_and_as_two_launches(monkeypatch):
+    """``round_parts.py --ab``: each batch's parts once with the fused tree + verify launch and once with
+    ``gpu.tree.FUSE_VERIFY`` off (the two launches), labelled, the switch restored even when a run fails (the GPU
+    work itself, ``_parts``, needs the H200: stood in for here)."""
+    pytest.importorskip("cupy")
+    from sglang_kdtree.gpu import tree
+
+    spec = importlib.util.spec_from_file_location("round_parts", REPO / "benchmarks" / "round_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    seen = []
+
+    def fake_parts(bs, *args):
+        seen.append((bs, tree.FUSE_VERIFY))
+        if bs == 99:
+            raise RuntimeError("boom")
+        return {"bs": bs}
+
+    monkeypatch.setattr(parts, "_parts", fake_parts)
+    rows = [parts.parts(bs, 64, 15, 1000, 256, 3, 0.75, False, fused) for bs in (1, 8) for fused in (True, False)]
+    assert seen == [(1, True), (1, False), (8, True), (8, False)] and tree.FUSE_VERIFY is True
+    assert [r["variant"] for r in rows] == ["fused", "two launches"] * 2
+    with pytest.raises(RuntimeError, match="boom"):
+        parts.parts(99, 64, 15, 1000, 256, 3, 0.75, False, False)
+    assert tree.FUSE_VERIFY is True
 
 
 def test_mla_check_reads_the_check_servers_last_record_and_judges_it(tmp_path):
