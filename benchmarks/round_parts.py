@@ -6,10 +6,11 @@ The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greed
 with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay) and as
 bare replays of the captured graphs (device time only), and
 each of their parts is captured and replayed alone: the draft head GEMM (the drafter's lm_head: part of the
-draft, not of the bookkeeping), top-K + logsumexp, the best-first tree, the verify inputs, the greedy accept,
-the fused tree + verify launch the tree step takes (``GpuBackend.build_verify``), the commit plan, the KV compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row
-gather. Times are the median of CUDA-event-timed replays (device time, no host); the floor column is the part's
-bytes over the measured copy bandwidth. Target logits are fp32 ``[bs, N, V]`` whose argmax follows a tree child
+draft, not of the bookkeeping), top-K + logsumexp, the best-first tree, the verify inputs, the fused tree +
+verify launch the tree step takes (``GpuBackend.build_verify``), the greedy accept, the commit plan, the KV
+compaction (an SGLang ``MLATokenToKVPool`` of ``--layers`` layers) and the hidden-row gather. Times are the
+median of CUDA-event-timed replays (device time, no host); the floor column is the part's bytes over the measured
+copy bandwidth. Target logits are fp32 ``[bs, N, V]`` whose argmax follows a tree child
 with probability ``--agree`` (a realistic accept length). Needs a CUDA GPU and SGLang (for the pool class).
 
 ``--trace`` also prints, per step graph, its kernels as the replays run them (torch.profiler's CUPTI kernel
@@ -161,7 +162,6 @@ def _target(trees, vocab: int, agree: float, gen, seed: int) -> torch.Tensor:
 
 def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
           trace: bool = False, fused: bool = True) -> dict:
-    from sglang_kdtree import pipeline
     from sglang_kdtree.gpu import tree as gpu_tree
 
     gpu_tree.FUSE_VERIFY = fused
