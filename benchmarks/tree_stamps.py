@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, and the padded-rows list
-# since), and where they go: after which line of the body
+# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, and the
+# padded-rows list since), and where they go: after which line of the body
 BODIES = ("""  stage_rows(S, lp, L, K, KS);
   if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
