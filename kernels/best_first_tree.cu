@@ -93,13 +93,12 @@ __device__ __forceinline__ void init_root(short* node_parent, short* node_rank, 
   *s_nodes = 0;
 }
 
-// Validation of the whole input (the reference checks every entry): the threads from `first` on (warps 1..) while
-// warp 0 builds the tree; a block with no thread from `first` on validates with its first warp after it.
-__device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err,
-                                              int first = 32) {
+// Validation of the whole input (the reference checks every entry): warps 1.. while warp 0 builds the tree; a
+// block of one warp validates with it after the tree.
+__device__ __forceinline__ void validate_rows(const float* lp, const long long* ids, int L, int K, int* err) {
   const int tid = threadIdx.x, nthreads = blockDim.x;
-  if (nthreads <= first ? tid < 32 : tid >= first) {
-    const int vt = nthreads <= first ? tid : tid - first, vn = nthreads <= first ? 32 : nthreads - first;
+  if (nthreads <= 32 || tid >= 32) {
+    const int vt = nthreads <= 32 ? tid : tid - 32, vn = nthreads <= 32 ? 32 : nthreads - 32;
     int bad = 0;
     const int total = L * K;
 #pragma unroll 4
@@ -652,22 +651,10 @@ __device__ __forceinline__ void write_verify_rows(const VerifyOut& vo, int b, in
   const long long row = (long long)b * N;
   u32* anc_out = vo.ancestor_bits + row * W;
   for (int i = tid; i < N; i += blockDim.x) {
-    // ancestor-or-self words from the row's own word down (padding rows: itself only)
-    int x = i, cw = i >> 5;
-    u32 word = 0;
-    for (int w = cw + 1; w < W; ++w) anc[i * W + w] = anc_out[i * W + w] = 0u;
-    while (x >= 0) {
-      for (; cw > (x >> 5); --cw) {
-        anc[i * W + cw] = anc_out[i * W + cw] = word;
-        word = 0;
-      }
-      word |= 1u << (x & 31);
-      x = (x >= 1 && x <= n) ? lm_parent(node_meta[x]) : -1;  // the root (x = 0) and padding rows end the chain
-    }
-    for (; cw >= 0; --cw) {
-      anc[i * W + cw] = anc_out[i * W + cw] = word;
-      word = 0;
-    }
+    // ancestor-or-self words (padding rows: itself only; the root (x = 0) and padding rows end the chain, at most
+    // 32 nodes: depth <= 31)
+    ancestor_words(i, W, 32, [&](int x) { return (x >= 1 && x <= n) ? lm_parent(node_meta[x]) : -1; },
+                   [&](int w, u32 word) { anc[i * W + w] = anc_out[i * W + w] = word; });
     if (i >= 1 && i <= n) {
       const u32 m = node_meta[i];
       const int p = lm_parent(m), d = lm_depth(m);

@@ -448,19 +448,28 @@ struct RowSource {
 // seg_start[b] = seg_cur's entry for b = the count of keys above bin b (the start of its segment; the cursor is the
 // gather's). Counts fit 16 bits: the by-bin select runs only when at most S_CACHE keys are at or above b*.
 // Written only when sel[0] is a bin; ends with a barrier.
-__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, u32 want, u32* scratch, u32* sel, int lo, int hi,
-                                             unsigned short* seg_start = nullptr, u32* seg_cur = nullptr) {
-  constexpr int PER = H_BINS / H_THREADS;  // 16 bins per thread
-  const int tid = threadIdx.x;
-  const int base = (H_THREADS - 1 - tid) * PER;
-  uint4* q4 = reinterpret_cast<uint4*>(gh + base);
-  u32 h[PER];
+#define H_PER (H_BINS / H_THREADS)  // histogram bins per select thread: 16
+
+// The thread's H_PER bins of the row histogram gh, for boundary_bin (issued first: the loads are in flight while the
+// block does other work); only the row's bin range lo .. hi can hold counts, the rest reads as 0.
+__device__ __forceinline__ void load_bins(const u32* __restrict__ gh, int lo, int hi, u32 (&h)[H_PER]) {
+  const int base = (H_THREADS - 1 - (int)threadIdx.x) * H_PER;
+  const uint4* q4 = reinterpret_cast<const uint4*>(gh + base);
 #pragma unroll
-  for (int q = 0; q < PER / 4; ++q) {  // only the row's bin range can hold counts
+  for (int q = 0; q < H_PER / 4; ++q) {
     const bool in = base + 4 * q + 3 >= lo && base + 4 * q <= hi;
     const uint4 w = in ? q4[q] : make_uint4(0u, 0u, 0u, 0u);
     h[4 * q] = w.x; h[4 * q + 1] = w.y; h[4 * q + 2] = w.z; h[4 * q + 3] = w.w;
   }
+}
+
+// h: the thread's bins (load_bins).
+__device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, const u32 (&h)[H_PER], u32 want, u32* scratch,
+                                             u32* sel, unsigned short* seg_start = nullptr, u32* seg_cur = nullptr) {
+  constexpr int PER = H_PER;
+  const int tid = threadIdx.x;
+  const int base = (H_THREADS - 1 - tid) * PER;
+  uint4* q4 = reinterpret_cast<uint4*>(gh + base);
   // clean for the next call, writing only what holds counts: at batch 32 rewriting every bin with zeros cost 7 us
   // of the select (8 MB of L2 writes; benchmarks/RESULTS.md, session 8)
 #pragma unroll
@@ -713,13 +722,11 @@ __device__ __noinline__ double row_lse_cold(const float* __restrict__ chunk_max,
 
 // Row r's logsumexp by warp 0 alone when C <= 32 (into *out; the other warps go on): the same operations in
 // the same order as row_lse<S_THREADS, MODE> (a lane per chunk, the same xor tree, the other warps' zero
-// sums added), so bit for bit its value.
+// sums added), so bit for bit its value. mc, cs: lane's chunk partials (chunk_max[r * C + lane], chunk_sum[...];
+// -inf and 0 for lanes >= C), loaded by the caller.
 template <int MODE>
-__device__ __forceinline__ void row_lse_warp(const float* __restrict__ chunk_max, const double* __restrict__ chunk_sum,
-                                             int r, int C, double* out, int* err) {
+__device__ __forceinline__ void row_lse_warp(float mc, double cs, double* out, int* err) {
   const int lane = threadIdx.x & 31;
-  const float mc = lane < C ? chunk_max[r * C + lane] : -INFINITY;
-  const double cs = lane < C ? chunk_sum[r * C + lane] : 0.0;
   float M = mc;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
@@ -763,9 +770,15 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   if (tid == 0) n_win = cursor = listed = seg_bad = 0;
 
   // C <= 32 (V <= 262144): warp 0 computes the lse while the block finds the boundary bin (s_lse is read
-  // after boundary_bin's barriers)
+  // after boundary_bin's barriers). Its chunk partials are loaded first, then every thread's histogram bins, so
+  // warp 0's bins are in flight during the lse.
+  const bool lse_warp = C <= 32 && tid < 32;
+  const float mc = lse_warp && tid < C ? chunk_max[r * C + tid] : -INFINITY;
+  const double cs = lse_warp && tid < C ? chunk_sum[r * C + tid] : 0.0;
+  u32 h[H_PER];
+  load_bins(ghist + (long long)r * H_BINS, H_BINS - (int)rr_lo, (int)rr_hi - 1, h);
   if (C <= 32) {
-    if (tid < 32) row_lse_warp<MODE>(chunk_max, chunk_sum, r, C, &s_lse, err);
+    if (lse_warp) row_lse_warp<MODE>(mc, cs, &s_lse, err);
   } else {
     const double l = row_lse_cold<MODE>(chunk_max, chunk_sum, r, C, fscratch, dscratch, err);
     if (tid == 0) s_lse = l;
@@ -776,8 +789,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
   // their bin
   __shared__ u32 seg_cur[WIDE ? H_BINS / 2 : 1];
   unsigned short* seg_start = WIDE ? reinterpret_cast<unsigned short*>(hw) : nullptr;
-  boundary_bin(ghist + (long long)r * H_BINS, (u32)kout, scratch, sel, H_BINS - (int)rr_lo, (int)rr_hi - 1, seg_start,
-               WIDE ? seg_cur : nullptr);
+  boundary_bin(ghist + (long long)r * H_BINS, h, (u32)kout, scratch, sel, seg_start, WIDE ? seg_cur : nullptr);
   if (tid == 0) row_range[2 * r] = row_range[2 * r + 1] = 0u;  // read by every thread before boundary_bin's barriers
   const double lse = s_lse;
   const u32 bsel = sel[0];

@@ -1,6 +1,6 @@
-// SGLang's FULL_MASK layout, shared by verify_inputs.cu and best_first_tree.cu's fused tree + verify kernels
-// (twin: reference.verify_inputs): request b's block of N rows starts at N*N*b + N*sum(seq_lens[:b]); a row is
-// seq_lens[b] + N bytes, the prefix columns True, then the ancestor-or-self row.
+// What verify_inputs.cu and best_first_tree.cu's fused tree + verify kernels share (twin: reference.verify_inputs):
+// a row's ancestor-or-self words, and SGLang's FULL_MASK layout: request b's block of N rows starts at
+// N*N*b + N*sum(seq_lens[:b]); a row is seq_lens[b] + N bytes, the prefix columns True, then the ancestor-or-self row.
 #pragma once
 #include "common.cuh"
 
@@ -24,4 +24,29 @@ __device__ __forceinline__ long long warp_sum_before(const long long* __restrict
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
   return before;
+}
+
+// Row i's W ancestor-or-self words (bit x % 32 of word x / 32 for every node x on i's chain), each handed once to
+// emit(w, word): the words above i's own as 0, then from i's word down, since the chain strictly decreases
+// (parent(x) < x; -1 ends it). At most max_len nodes are walked; returns where the walk stopped: -1, or the next node
+// when max_len cut it (a chain too deep: a malformed tree).
+template <typename Parent, typename Emit>
+__device__ __forceinline__ int ancestor_words(int i, int W, int max_len, Parent parent, Emit emit) {
+  for (int w = (i >> 5) + 1; w < W; ++w) emit(w, 0u);
+  int cw = i >> 5, x = i, len = 0;
+  u32 word = 0;
+  while (x >= 0 && len < max_len) {
+    for (; cw > (x >> 5); --cw) {
+      emit(cw, word);
+      word = 0;
+    }
+    word |= 1u << (x & 31);
+    ++len;
+    x = parent(x);
+  }
+  for (; cw >= 0; --cw) {
+    emit(cw, word);
+    word = 0;
+  }
+  return x;
 }

@@ -91,24 +91,10 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) verify_inputs(
       retrieve_index[row + i] = row + i;
       next_token[row + i] = (i <= n && first[i] != NO_NODE) ? (long long)first[i] : -1;
       next_sibling[row + i] = sib;
-      // ancestor-or-self words (padding rows: itself only), from the row's own word down: the chain decreases
-      for (int w = (i >> 5) + 1; w < W; ++w) out[w] = 0u;
-      int cw = i >> 5, x = i, len = 0;
-      u32 word = 0;
-      while (x >= 0 && len < MAX_CHAIN) {
-        for (; cw > (x >> 5); --cw) {
-          out[cw] = word;
-          word = 0;
-        }
-        word |= 1u << (x & 31);
-        ++len;
-        x = (x <= n) ? par[x] : -1;
-      }
-      if (x >= 0) bad |= ERR_BAD_TREE;
-      for (; cw >= 0; --cw) {
-        out[cw] = word;
-        word = 0;
-      }
+      // ancestor-or-self words (padding rows: itself only)
+      const int end = ancestor_words(i, W, MAX_CHAIN, [&](int x) { return x <= n ? par[x] : -1; },
+                                     [&](int w, u32 word) { out[w] = word; });
+      if (end >= 0) bad |= ERR_BAD_TREE;
     }
     __syncwarp();  // lane 0's words are visible to the warp
     unsigned char* mrow = base + (long long)i * width;

@@ -545,15 +545,21 @@ def _verify_case(rng, bs, budget, max_seq, depth=15):
     _poison_verify_out(out)  # and the guard rows / bytes past what this batch may write
     got = verify.verify_inputs(gt, torch.from_numpy(seq).cuda(), seq_lens_sum=int(seq.sum()), out=out,
                                check=True)
-    want = ref.verify_inputs(want_t, seq)
+    _assert_verify_exact(got, ref.verify_inputs(want_t, seq), out, mask_numel, bs * (budget + 1))
+
+
+def _assert_verify_exact(got, want, out, mask_numel, rows, want_mask=None):
+    """GPU verify inputs ``got`` (written into the poisoned ``out``) equal the reference's ``want`` field for field;
+    the mask compared as bytes, so an unwritten byte (still the poison, neither 0 nor 1) fails (``want_mask``: other
+    expected bytes); nothing written past the batch's ``rows`` rows and ``mask_numel`` mask bytes."""
     for f in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
         np.testing.assert_array_equal(getattr(got, f).cpu().numpy().reshape(getattr(want, f).shape),
                                       getattr(want, f), err_msg=f)
-    # Compared as bytes: an unwritten mask byte still holds the poison, neither 0 nor 1.
-    np.testing.assert_array_equal(got.full_mask.view(torch.uint8).cpu().numpy().reshape(want.full_mask.shape),
-                                  want.full_mask.astype(np.uint8), err_msg="full_mask")
     np.testing.assert_array_equal(got.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
-    _assert_untouched_past(out, mask_numel, bs * (budget + 1))
+    want_mask = want.full_mask.astype(np.uint8) if want_mask is None else want_mask
+    np.testing.assert_array_equal(got.full_mask.view(torch.uint8).cpu().numpy().reshape(want_mask.shape), want_mask,
+                                  err_msg="full_mask")
+    _assert_untouched_past(out, mask_numel, rows)
 
 
 def test_verify_inputs_exact_mixed_prefixes():
@@ -771,11 +777,6 @@ def _fused_case(rng, bs, budget, depth, k, seq, tie_heavy, fill_prefix=True):
                                            out_verify=out_v, fill_prefix=fill_prefix, check=True)
     _compare_full(got_t, lp, ids, budget, roots)
     want = ref.verify_inputs(ref.build_trees(lp, ids, budget, roots), seq)
-    for f in ("input_ids", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
-        np.testing.assert_array_equal(getattr(got_v, f).cpu().numpy().reshape(getattr(want, f).shape),
-                                      getattr(want, f), err_msg=f)
-    np.testing.assert_array_equal(got_v.ancestor_bits.cpu().numpy().view(np.uint32), want.ancestor_bits)
-    mask = got_v.full_mask.view(torch.uint8).cpu().numpy()
     want_mask = want.full_mask.astype(np.uint8)
     if not fill_prefix:  # the prefix columns untouched (the poison), the tree columns written
         at = 0
@@ -783,8 +784,7 @@ def _fused_case(rng, bs, budget, depth, k, seq, tie_heavy, fill_prefix=True):
             rows = np.arange(width * (int(seq[b]) + width)).reshape(width, -1) + at
             want_mask[rows[:, :int(seq[b])]] = _MASK_POISON
             at += rows.size
-    np.testing.assert_array_equal(mask, want_mask, err_msg="full_mask")
-    _assert_untouched_past(out_v, mask_numel, bs * width)
+    _assert_verify_exact(got_v, want, out_v, mask_numel, bs * width, want_mask)
     # the two launches it replaces, on the same input: the same bytes everywhere
     two_t = tree.build_trees(g[0], g[1], budget, g[2], check=True)
     two_v = verify.verify_inputs(two_t, g[3], seq_lens_sum=int(seq.sum()), fill_prefix=fill_prefix, check=True)
