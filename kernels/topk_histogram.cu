@@ -440,14 +440,6 @@ struct RowSource {
   __device__ __forceinline__ u64 get(int t) const { return composite(float_key(to_float(p[t])), (u32)t); }
 };
 
-// The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
-// the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
-// row holds fewer than `want` keys. Thread tid owns bins (H_THREADS - 1 - tid) * PER .. + PER - 1.
-// With seg_start (H_BINS u16) and seg_cur (H_BINS / 2 u32: two u16 per word, bin b in half b & 1 of word b / 2),
-// or null: also each bin's place in the descending order of the counted keys, for the bins b* and above:
-// seg_start[b] = seg_cur's entry for b = the count of keys above bin b (the start of its segment; the cursor is the
-// gather's). Counts fit 16 bits: the by-bin select runs only when at most S_CACHE keys are at or above b*.
-// Written only when sel[0] is a bin; ends with a barrier.
 #define H_PER (H_BINS / H_THREADS)  // histogram bins per select thread: 16
 
 // The thread's H_PER bins of the row histogram gh, for boundary_bin (issued first: the loads are in flight while the
@@ -463,6 +455,14 @@ __device__ __forceinline__ void load_bins(const u32* __restrict__ gh, int lo, in
   }
 }
 
+// The row's boundary bin from its histogram (H_BINS bins, bin H_BINS - 1 = largest keys), which it zeroes for
+// the next call: sel = (b*, keys above b*, keys in b*) with above < want <= above + count, or b* = ~0u when the
+// row holds fewer than `want` keys. Thread tid owns bins (H_THREADS - 1 - tid) * PER .. + PER - 1.
+// With seg_start (H_BINS u16) and seg_cur (H_BINS / 2 u32: two u16 per word, bin b in half b & 1 of word b / 2),
+// or null: also each bin's place in the descending order of the counted keys, for the bins b* and above:
+// seg_start[b] = seg_cur's entry for b = the count of keys above bin b (the start of its segment; the cursor is the
+// gather's). Counts fit 16 bits: the by-bin select runs only when at most S_CACHE keys are at or above b*.
+// Written only when sel[0] is a bin; ends with a barrier.
 // h: the thread's bins (load_bins).
 __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, const u32 (&h)[H_PER], u32 want, u32* scratch,
                                              u32* sel, unsigned short* seg_start = nullptr, u32* seg_cur = nullptr) {
