@@ -1,6 +1,7 @@
 """Where the GPU round's bookkeeping time goes, kernel by kernel, at a server's shapes.
 
     python benchmarks/round_parts.py --batches 1 8 32 --budget 64 --hidden 256 [--json OUT.json] [--trace] [--ab]
+        [--ab-pdl]
 
 The worker's two step graphs (``GpuBackend.tree_step`` and ``accept_commit_greedy``, the path a CUDA server
 with graphs takes: ``gpu/round_graphs.py``) are timed as the server calls them (input copies + replay) and as
@@ -161,15 +162,16 @@ def _target(trees, vocab: int, agree: float, gen, seed: int) -> torch.Tensor:
 
 
 def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
-          trace: bool = False, fused: bool = True) -> dict:
+          trace: bool = False, fused: bool = True, pdl: bool = True) -> dict:
+    from sglang_kdtree.gpu import runtime
     from sglang_kdtree.gpu import tree as gpu_tree
 
-    gpu_tree.FUSE_VERIFY = fused
+    gpu_tree.FUSE_VERIFY, pdl_before, runtime.PDL = fused, runtime.PDL, pdl and runtime.PDL
     try:
         out = _parts(bs, budget, depth, vocab, hidden, layers, agree, trace)
     finally:
-        gpu_tree.FUSE_VERIFY = True
-    out["variant"] = "fused" if fused else "two launches"
+        gpu_tree.FUSE_VERIFY, runtime.PDL = True, pdl_before
+    out["variant"] = ("fused" if fused else "two launches") + ("" if pdl else ", no PDL")
     return out
 
 
@@ -262,12 +264,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="store_true",
                     help="each batch twice: the tree and verify inputs fused into one launch (the worker's path), "
                          "and as the two launches it replaced (gpu.tree.FUSE_VERIFY off)")
+    ap.add_argument("--ab-pdl", action="store_true",
+                    help="each batch twice: the top-K select and the tree kernel as programmatic dependent launches "
+                         "(the worker's path on sm_90+) and as plain launches (gpu.runtime.PDL off)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("round_parts needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree, args.trace, fused)
-            for bs in args.batches for fused in ((True, False) if args.ab else (True,))]
+    rows = [parts(bs, args.budget, args.depth, args.vocab, args.hidden, args.layers, args.agree, args.trace, fused,
+                  pdl)
+            for bs in args.batches for fused in ((True, False) if args.ab else (True,))
+            for pdl in ((True, False) if args.ab_pdl else (True,))]
     import sglang_kdtree
 
     print(f"sglang_kdtree from {sglang_kdtree.__file__}")

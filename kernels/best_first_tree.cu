@@ -626,7 +626,6 @@ __device__ __forceinline__ int list_tree(const double* S, int L, int stride, int
 // The verify outputs (verify_inputs.cu's arguments).
 struct VerifyOut {
   const long long* seq_lens;
-  int fill_prefix;
   long long *input_ids, *positions, *retrieve_index, *next_token, *next_sibling;
   u32* ancestor_bits;
   unsigned char* full_mask;
@@ -712,6 +711,7 @@ __device__ __forceinline__ void build_trees_list(
 
   const int tid = threadIdx.x, b = blockIdx.x, stride = KS + 1;
   const int N = budget + 1;
+  pdl_wait();  // launched after the top-K as a dependent launch (runtime.launch): its outputs from here on
   if (V && blockIdx.y > 0) {
     fill_prefix_rows(vo, b, N);
     return;
@@ -761,20 +761,21 @@ LIST_KERNEL(1)
 LIST_KERNEL(2)
 LIST_KERNEL(4)
 
-// The fused tree + verify kernels: build_trees_list<J>'s arguments, then verify_inputs.cu's (seq_lens [bs] int64,
-// fill_prefix and its outputs); grid (bs, 1 + F), F = 0 when fill_prefix is 0 (the launcher: one FULL_MASK row per
-// warp of the fill blocks); block shape and shared memory as build_trees_list<J>'s.
+// The fused tree + verify kernels: build_trees_list<J>'s arguments, then verify_inputs.cu's but fill_prefix (seq_lens
+// [bs] int64 and its outputs); grid (bs, 1 + F): the F fill blocks per request write the FULL_MASK prefix columns,
+// F = 0 leaves them alone (the launcher's fill_prefix off; on: one FULL_MASK row per warp of the fill blocks); block
+// shape and shared memory as build_trees_list<J>'s.
 #define LIST_VERIFY_KERNEL(J)                                                                                       \
   extern "C" __global__ void __launch_bounds__(128, 1) build_trees_verify_list##J(                               \
       const float* __restrict__ logprobs, const long long* __restrict__ token_ids,                               \
       const long long* __restrict__ root_tokens, int L, int K, int budget, int KS, long long* __restrict__ tokens, \
       long long* __restrict__ depths, long long* __restrict__ parents, long long* __restrict__ ranks,            \
       double* __restrict__ scores, long long* __restrict__ num_nodes, int* __restrict__ err,                     \
-      const long long* __restrict__ seq_lens, int fill_prefix, long long* __restrict__ input_ids,                \
+      const long long* __restrict__ seq_lens, long long* __restrict__ input_ids,                                \
       long long* __restrict__ positions, u32* __restrict__ ancestor_bits, long long* __restrict__ retrieve_index, \
       long long* __restrict__ next_token, long long* __restrict__ next_sibling,                                  \
       unsigned char* __restrict__ full_mask) {                                                                   \
-    const VerifyOut vo{seq_lens, fill_prefix, input_ids, positions, retrieve_index, next_token, next_sibling,    \
+    const VerifyOut vo{seq_lens, input_ids, positions, retrieve_index, next_token, next_sibling,                 \
                        ancestor_bits, full_mask};                                                                \
     build_trees_list<J, true>(logprobs, token_ids, root_tokens, L, K, budget, KS, tokens, depths, parents, ranks, \
                               scores, num_nodes, err, vo);                                                       \

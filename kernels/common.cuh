@@ -61,3 +61,18 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+; runtime.launch(..., pdl=True)). A kernel launched that way may be scheduled
+// before the kernel ahead of it in the stream has finished, so it calls pdl_wait() before it touches global memory:
+// that returns once the previous kernel has finished and its writes are visible (at once after a plain launch). With
+// the wait at entry no read or write moves; only the launch's latency overlaps the previous kernel's tail. No kernel
+// triggers its dependents early (griddepcontrol.launch_dependents): at the top-K pass's and select's entry that made
+// the batch-1 tree step 2 us slower (benchmarks/RESULTS.md, session 22).
+// ---------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

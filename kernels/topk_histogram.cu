@@ -554,15 +554,15 @@ __device__ __forceinline__ void gather_group_impl(const T* __restrict__ row, int
       if (bin >= st.b0 && p < st.end(bin) && p < (u32)cap) dst[p] = composite(key, (u32)col);
       else *st.bad = 1u;
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e)
-    if (mask & (1u << e)) {
-      if (pos < (u32)cap)  // never out of range
-        dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC, GT>(e, t)));
-      ++pos;
-    }
+    for (int e = 0; e < H_ELEMS; ++e)
+      if (mask & (1u << e)) {
+        if (pos < (u32)cap)  // never out of range
+          dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC, GT>(e, t)));
+        ++pos;
+      }
+  }
 }
 
 // gather_group_impl out of line: groups of the row's last, partial chunk, and groups past the shared list's
@@ -766,6 +766,7 @@ __device__ __forceinline__ void hist_select(const T* __restrict__ logits, long l
 
   const int tid = threadIdx.x, r = blockIdx.x;
   const int kout = min(K, V);
+  pdl_wait();  // a dependent launch after hist_pass (runtime.launch): the pass's outputs are read from here on
   const u32 rr_hi = row_range[2 * r], rr_lo = row_range[2 * r + 1];  // issued first: the histogram loads wait on it
   if (tid == 0) n_win = cursor = listed = seg_bad = 0;
 

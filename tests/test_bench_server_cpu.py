@@ -153,6 +153,37 @@ def test_round_parts_ab_runs_each_batch_fused_and_as_two_launches(monkeypatch):
     assert tree.FUSE_VERIFY is True
 
 
+def test_round_parts_ab_pdl_runs_each_batch_with_and_without_dependent_launches(monkeypatch):
+    """``round_parts.py --ab-pdl``: each batch's parts with ``gpu.runtime.PDL`` on (the worker's launches) and off,
+    labelled, the switch restored even when a run fails; PDL turned off by the environment stays off."""
+    pytest.importorskip("cupy")
+    from sglang_kdtree.gpu import runtime
+
+    spec = importlib.util.spec_from_file_location("round_parts", REPO / "benchmarks" / "round_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    seen = []
+
+    def fake_parts(bs, *args):
+        seen.append((bs, runtime.PDL))
+        if bs == 99:
+            raise RuntimeError("boom")
+        return {"bs": bs}
+
+    monkeypatch.setattr(parts, "_parts", fake_parts)
+    monkeypatch.setattr(runtime, "PDL", True)
+    rows = [parts.parts(bs, 64, 15, 1000, 256, 3, 0.75, False, True, pdl) for bs in (1, 8) for pdl in (True, False)]
+    assert seen == [(1, True), (1, False), (8, True), (8, False)] and runtime.PDL is True
+    assert [r["variant"] for r in rows] == ["fused", "fused, no PDL"] * 2
+    with pytest.raises(RuntimeError, match="boom"):
+        parts.parts(99, 64, 15, 1000, 256, 3, 0.75, False, True, False)
+    assert runtime.PDL is True
+    monkeypatch.setattr(runtime, "PDL", False)  # SGLANG_KDTREE_PDL=0
+    seen.clear()
+    parts.parts(1, 64, 15, 1000, 256, 3, 0.75, False, True, True)
+    assert seen == [(1, False)] and runtime.PDL is False
+
+
 def test_mla_check_reads_the_check_servers_last_record_and_judges_it(tmp_path):
     bench = _load()
     assert bench.mla_check(None) is None

@@ -6,13 +6,15 @@ Everything here imports on a machine without a GPU or without CuPy; only calling
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.resources
+import os
 from pathlib import Path
 
 __all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
            "load_module_arch", "ARCH_SPECIFIC", "device_capability", "arch_runs_here", "as_cupy", "current_stream",
-           "require_cuda", "device_ptr"]
+           "require_cuda", "device_ptr", "launch", "PDL"]
 
 #: kernels built for an architecture-specific target (``load_module_arch``), by source name; every other kernel
 #: compiles for the device's own compute capability (``load_module``)
@@ -208,3 +210,74 @@ def device_ptr(t):
     import numpy as np
 
     return np.uint64(0 if t is None else t.data_ptr())
+
+
+#: programmatic dependent launches on (``launch(..., pdl=True)``; sm_90+): ``SGLANG_KDTREE_PDL=0`` turns them off,
+#: and benchmarks flip it to time both
+PDL = os.environ.get("SGLANG_KDTREE_PDL", "1") != "0"
+
+_PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+# a kernel argument's C type by its numpy type (the launchers pass numpy scalars, as CuPy takes them)
+_ARG_CTYPES = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32, "int32": ctypes.c_int32,
+               "float32": ctypes.c_float, "float64": ctypes.c_double}
+
+
+@functools.cache
+def _cu_launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx`` (CUDA 12.0+), or None when libcuda lacks it."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
+
+
+def _pdl_runs_here() -> bool:
+    import torch
+
+    return PDL and _cu_launch_kernel_ex() is not None and device_capability(torch.cuda.current_device())[0] >= 9
+
+
+def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, *, pdl: bool = False) -> None:
+    """``kernel(grid, block, args, shared_mem=...)`` (a ``cupy.RawKernel``; numpy-scalar arguments) on torch's current
+    stream.
+
+    ``pdl``: a programmatic dependent launch (sm_90+, ``PDL`` on): the kernel's launch may begin before the previous
+    kernel in the stream has finished. Only for kernels that call ``pdl_wait()`` (``kernels/common.cuh``) before
+    touching global memory, so only the launch latency moves; captured into a CUDA graph as a programmatic edge.
+    Else, and on older GPUs, a plain launch."""
+    if not (pdl and _pdl_runs_here()):
+        with current_stream():
+            kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    import torch
+
+    values = []
+    for a in args:
+        ctype = _ARG_CTYPES.get(getattr(a, "dtype", None) and a.dtype.name)
+        if ctype is None:
+            raise TypeError(f"kernel argument {a!r}: a numpy scalar of {sorted(_ARG_CTYPES)} is needed")
+        values.append(ctype(a.item()))
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    attr = _LaunchAttribute(id=_PDL_ATTRIBUTE, value=1)
+    config = _LaunchConfig(*grid, *block, int(shared_mem), torch.cuda.current_stream().cuda_stream,
+                           ctypes.pointer(attr), 1)
+    rc = _cu_launch_kernel_ex()(ctypes.byref(config), kernel.kernel.ptr, params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx of {kernel.name} failed with CUresult {rc}")

@@ -266,22 +266,21 @@ def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, ou
     if g2:
         chunks = -(-v // (2 * CHUNK_COLS))
     pass_name, select_name = hist_kernel_names(bf16, aligned, g2, k, v, mode)
-    with runtime.current_stream():
-        mod.get_function(pass_name)(
-            (chunks, rows), (HIST_THREADS,),
-            (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
-             _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_range),
-             _ptr(error_flag)),
-        )
-        args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
-                _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max),
-                _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
-        if mode == 0:
-            mod.get_function(select_name)((rows,), (HIST_THREADS,), args + (_ptr(ws.row_range), _ptr(error_flag)))
-        else:
-            mod.get_function(select_name)(
-                (rows,), (HIST_THREADS,),
-                args + (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag)))
+    runtime.launch(
+        mod.get_function(pass_name), (chunks, rows), (HIST_THREADS,),
+        (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
+         _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.chunk_max), _ptr(ws.chunk_sum), _ptr(ws.row_range),
+         _ptr(error_flag)),
+    )
+    args = (_ptr(flat), np.int64(row_stride), np.int32(v), np.int32(k), np.int32(chunks), _ptr(ws.hist),
+            _ptr(ws.group_bin), _ptr(ws.chunk_cut), _ptr(ws.cands), np.int64(ws.row_cap), _ptr(ws.chunk_max),
+            _ptr(ws.chunk_sum), _ptr(out_vals), _ptr(out_ids))
+    if mode == 0:
+        args += (_ptr(ws.row_range), _ptr(error_flag))
+    else:
+        args += (_ptr(out_lse), np.int64(id_offset), _ptr(ws.row_range), _ptr(error_flag))
+    # a dependent launch: the select waits for the pass at entry (pdl_wait), its launch overlaps the pass's tail
+    runtime.launch(mod.get_function(select_name), (rows,), (HIST_THREADS,), args, pdl=True)
 
 
 def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out=None, error_flag=None,

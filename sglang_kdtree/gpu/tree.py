@@ -162,7 +162,7 @@ def build_trees_verify(logprobs, token_ids, budget: int, root_tokens, seq_lens, 
         sl = seq_lens.contiguous()
         fill = -(-t.width // (_THREADS // 32)) if fill_prefix else 0  # one FULL_MASK row per warp of the fill blocks
         t.launch(t.name.replace("build_trees_list", "build_trees_verify_list"), (t.bs, 1 + fill),
-                 (_ptr(sl), np.int32(1 if fill_prefix else 0), _ptr(res.input_ids), _ptr(res.positions),
+                 (_ptr(sl), _ptr(res.input_ids), _ptr(res.positions),
                   _ptr(res.ancestor_bits), _ptr(res.retrieve_index), _ptr(res.retrieve_next_token),
                   _ptr(res.retrieve_next_sibling), _ptr(res.full_mask)))
     if check:
@@ -227,12 +227,14 @@ class _TreeLaunch:
         if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
             fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - static_smem
         out = self.out
-        with runtime.current_stream():
-            fn(grid, (_THREADS,),
-               (_ptr(self.lp), _ptr(self.ids), _ptr(self.roots), np.int32(self.depth), np.int32(self.k),
-                np.int32(max(self.budget, 0)), np.int32(ks), _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents),
-                _ptr(out.ranks), _ptr(out.scores), _ptr(out.num_nodes), _ptr(self.error_flag)) + extra,
-               shared_mem=smem)
+        # the list kernels wait for the previous kernel at entry (pdl_wait): a dependent launch, whose launch overlaps
+        # the top-K select's tail
+        runtime.launch(fn, grid, (_THREADS,),
+                       (_ptr(self.lp), _ptr(self.ids), _ptr(self.roots), np.int32(self.depth), np.int32(self.k),
+                        np.int32(max(self.budget, 0)), np.int32(ks), _ptr(out.tokens), _ptr(out.depths),
+                        _ptr(out.parents), _ptr(out.ranks), _ptr(out.scores), _ptr(out.num_nodes),
+                        _ptr(self.error_flag)) + extra,
+                       shared_mem=smem, pdl=name != "build_trees_kernel")
 
 
 class TreeBuilder:

@@ -698,6 +698,65 @@ def test_cuda_graph_replay_matches_eager():
     builder.check()
 
 
+def test_dependent_launches_match_plain_launches(monkeypatch):
+    """The top-K select and the fused list tree kernel as programmatic dependent launches (``runtime.launch(...,
+    pdl=True)``: the worker's path on sm_90+) and as plain launches, each eagerly and replayed in a CUDA graph: the
+    same bytes in every output, the reference's tree, and the dependent launches went through cuLaunchKernelEx
+    (two per round: the select after the pass, the tree kernel after the select)."""
+    _, tree, _ = _gpu()
+    from sglang_kdtree.bench_timing import capture_graph
+    from sglang_kdtree.gpu import runtime
+
+    if not runtime._pdl_runs_here():
+        pytest.skip("programmatic dependent launches need sm_90+, the driver's cuLaunchKernelEx and PDL on")
+    real, calls = runtime._cu_launch_kernel_ex(), []
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(runtime, "_cu_launch_kernel_ex", lambda: counting)
+    bs, depth, vocab, budget = 6, 15, 163840, 64
+    seq = torch.tensor([5, 700, 33, 1, 2048, 129], device="cuda", dtype=torch.int64)
+    seq_sum = int(seq.sum())
+    builder = tree.TreeBuilder(bs, budget, depth, vocab, "cuda", max_mask_bytes=seq_sum * 65 + 65 * 65 * bs)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    logits = (torch.randn(bs, depth, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    roots = torch.arange(bs, device="cuda", dtype=torch.int64) + 7
+
+    def snapshot():
+        _poison_verify_out(builder.verify)
+        for f in dataclasses.fields(builder.trees):
+            t = getattr(builder.trees, f.name)
+            t.fill_(-7.25 if t.is_floating_point() else _VERIFY_POISON)  # finite: torch.equal compares it
+        return lambda t, v: [x.clone() for x in (t.tokens, t.depths, t.parents, t.ranks, t.scores, t.num_nodes,
+                                                 v.full_mask.view(torch.uint8), v.input_ids, v.positions,
+                                                 v.ancestor_bits, v.retrieve_index, v.retrieve_next_token,
+                                                 v.retrieve_next_sibling)]
+
+    results = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(runtime, "PDL", pdl)
+        calls.clear()
+        take = snapshot()
+        results[pdl, "eager"] = take(*builder.round(logits, budget, roots, seq, seq_sum))
+        torch.cuda.synchronize()
+        assert len(calls) == (2 if pdl else 0)
+        graph, (g_trees, g_ver) = capture_graph(lambda: builder.round(logits, budget, roots, seq, seq_sum))
+        take = snapshot()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[pdl, "graph"] = take(g_trees, g_ver)
+    first = results[True, "eager"]
+    for key, got in results.items():
+        for a, b in zip(first, got):
+            assert torch.equal(a, b), key
+    builder.check()
+    lp, ids = ref.topk_logprobs(logits.float().cpu().numpy(), budget)
+    want = ref.build_trees(lp, ids, budget, roots.cpu().numpy())
+    np.testing.assert_array_equal(first[0].cpu().numpy(), want.tokens)
+
+
 def _poisoned_build(tree, lp, ids, budget, roots):
     out = tree._alloc_tree(lp.shape[0], max(budget, 0) + 1, "cuda")
     for t in (out.tokens, out.depths, out.parents, out.ranks, out.num_nodes):
