@@ -230,9 +230,16 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-# a kernel argument's C type by its numpy type (the launchers pass numpy scalars, as CuPy takes them)
-_ARG_CTYPES = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32, "int32": ctypes.c_int32,
-               "float32": ctypes.c_float, "float64": ctypes.c_double}
+
+def _arg_ctypes():
+    import numpy as np
+
+    # a kernel argument's C type by its numpy scalar type (the launchers pass numpy scalars, as CuPy takes them)
+    return {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32, np.int32: ctypes.c_int32,
+            np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+
+
+_ARG_CTYPES = _arg_ctypes()
 
 
 @functools.cache
@@ -269,11 +276,12 @@ def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, 
 
     values = []
     for a in args:
-        ctype = _ARG_CTYPES.get(getattr(a, "dtype", None) and a.dtype.name)
+        ctype = _ARG_CTYPES.get(type(a))
         if ctype is None:
-            raise TypeError(f"kernel argument {a!r}: a numpy scalar of {sorted(_ARG_CTYPES)} is needed")
+            raise TypeError(f"kernel argument {a!r}: a numpy scalar of "
+                            f"{sorted(t.__name__ for t in _ARG_CTYPES)} is needed")
         values.append(ctype(a.item()))
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])  # values outlive the call
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     attr = _LaunchAttribute(id=_PDL_ATTRIBUTE, value=1)
     config = _LaunchConfig(*grid, *block, int(shared_mem), torch.cuda.current_stream().cuda_stream,
