@@ -126,25 +126,31 @@ def test_round_parts_groups_kernel_records_per_replay():
     assert "not grouped" in bad["kernels"][0][0] and bad["span"] != bad["span"]
 
 
-def test_round_parts_ab_runs_each_batch_fused_and_as_two_launches(monkeypatch):
-    """``round_parts.py --ab``: each batch's parts once with the fused tree + verify launch and once with
-    ``gpu.tree.FUSE_VERIFY`` off (the two launches), labelled, the switch restored even when a run fails (the GPU
-    work itself, ``_parts``, needs the H200: stood in for here)."""
-    pytest.importorskip("cupy")
-    from sglang_kdtree.gpu import tree
-
+def _round_parts_recording(monkeypatch, switch):
+    """``benchmarks/round_parts.py`` loaded with its GPU work (``_parts``, which needs the H200) stood in for by a
+    recorder of ``(bs, switch())`` per call that fails for batch 99; returns the module and the records."""
     spec = importlib.util.spec_from_file_location("round_parts", REPO / "benchmarks" / "round_parts.py")
     parts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(parts)
     seen = []
 
     def fake_parts(bs, *args):
-        seen.append((bs, tree.FUSE_VERIFY))
+        seen.append((bs, switch()))
         if bs == 99:
             raise RuntimeError("boom")
         return {"bs": bs}
 
     monkeypatch.setattr(parts, "_parts", fake_parts)
+    return parts, seen
+
+
+def test_round_parts_ab_runs_each_batch_fused_and_as_two_launches(monkeypatch):
+    """``round_parts.py --ab``: each batch's parts once with the fused tree + verify launch and once with
+    ``gpu.tree.FUSE_VERIFY`` off (the two launches), labelled, the switch restored even when a run fails."""
+    pytest.importorskip("cupy")
+    from sglang_kdtree.gpu import tree
+
+    parts, seen = _round_parts_recording(monkeypatch, lambda: tree.FUSE_VERIFY)
     rows = [parts.parts(bs, 64, 15, 1000, 256, 3, 0.75, False, fused) for bs in (1, 8) for fused in (True, False)]
     assert seen == [(1, True), (1, False), (8, True), (8, False)] and tree.FUSE_VERIFY is True
     assert [r["variant"] for r in rows] == ["fused", "two launches"] * 2
@@ -159,18 +165,7 @@ def test_round_parts_ab_pdl_runs_each_batch_with_and_without_dependent_launches(
     pytest.importorskip("cupy")
     from sglang_kdtree.gpu import runtime
 
-    spec = importlib.util.spec_from_file_location("round_parts", REPO / "benchmarks" / "round_parts.py")
-    parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parts)
-    seen = []
-
-    def fake_parts(bs, *args):
-        seen.append((bs, runtime.PDL))
-        if bs == 99:
-            raise RuntimeError("boom")
-        return {"bs": bs}
-
-    monkeypatch.setattr(parts, "_parts", fake_parts)
+    parts, seen = _round_parts_recording(monkeypatch, lambda: runtime.PDL)
     monkeypatch.setattr(runtime, "PDL", True)
     rows = [parts.parts(bs, 64, 15, 1000, 256, 3, 0.75, False, True, pdl) for bs in (1, 8) for pdl in (True, False)]
     assert seen == [(1, True), (1, False), (8, True), (8, False)] and runtime.PDL is True
