@@ -355,6 +355,9 @@ def check_gpu(report: Report, require_gpu: bool) -> str | None:
         count = cupy.cuda.runtime.getDeviceCount()
         report.ok(f"GPU: {count} x {props['name'].decode()} (sm_{props['major']}{props['minor']}), "
                   f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}")
+        from sglang_kdtree.gpu.runtime import pdl_status
+
+        report.ok(f"dependent launches (the tree step's top-K select and tree kernel): {pdl_status()}")
         return None
     no_gpu = reason.startswith("torch sees no CUDA device")
     what = f"GPU: none ({reason}); CuPy {cupy.__version__} imports"

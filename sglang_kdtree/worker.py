@@ -141,9 +141,14 @@ class KDTreeWorker(DFlashWorkerV2):
         # (gpu/round_graphs.py) unless CUDA graphs are off for the server or SGLANG_KDTREE_TREE_GRAPH=off
         self._round_graphs = (not getattr(server_args, "disable_cuda_graph", False)
                               and os.environ.get(TREE_GRAPH_ENV, "on") != "off")
-        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, round graphs %s",
-                    self.budget, self.verify_width, block_size, self.backend.name,
-                    "on" if self._round_graphs and self.backend.name == "gpu" else "off")
+        gpu, launches = self.backend.name == "gpu", "off (CPU backend)"
+        if gpu:  # the tree step's top-K select and tree kernel (gpu.runtime.launch)
+            from sglang_kdtree.gpu.runtime import pdl_status
+
+            launches = pdl_status()
+        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, round graphs %s, "
+                    "dependent launches %s", self.budget, self.verify_width, block_size, self.backend.name,
+                    "on" if self._round_graphs and gpu else "off", launches)
 
     @staticmethod
     @contextmanager

@@ -97,3 +97,19 @@ def test_pdl_switch_follows_the_environment(value, expected):
     out = subprocess.run([sys.executable, "-c", "from sglang_kdtree.gpu import runtime; print(runtime.PDL)"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == expected
+
+
+def test_pdl_status_names_why_dependent_launches_are_off(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "PDL", True)
+    monkeypatch.setattr(runtime, "_cu_launch_kernel_ex", lambda: (lambda *a: 0))
+    monkeypatch.setattr(runtime, "device_capability", lambda i: (9, 0))
+    assert runtime.pdl_status() == "on" and runtime._pdl_runs_here()
+    monkeypatch.setattr(runtime, "device_capability", lambda i: (8, 6))
+    assert runtime.pdl_status() == "off (compute capability 8.6: they need 9.0+)" and not runtime._pdl_runs_here()
+    monkeypatch.setattr(runtime, "_cu_launch_kernel_ex", lambda: None)
+    assert runtime.pdl_status() == "off (the CUDA driver has no cuLaunchKernelEx)"
+    monkeypatch.setattr(runtime, "PDL", False)
+    assert runtime.pdl_status() == "off (SGLANG_KDTREE_PDL=0)" and not runtime._pdl_runs_here()

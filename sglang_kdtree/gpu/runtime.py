@@ -14,7 +14,7 @@ from pathlib import Path
 
 __all__ = ["gpu_available", "gpu_unavailable_reason", "kernel_source", "compile_source", "load_module",
            "load_module_arch", "ARCH_SPECIFIC", "device_capability", "arch_runs_here", "as_cupy", "current_stream",
-           "require_cuda", "device_ptr", "launch", "PDL"]
+           "require_cuda", "device_ptr", "launch", "PDL", "pdl_status"]
 
 #: kernels built for an architecture-specific target (``load_module_arch``), by source name; every other kernel
 #: compiles for the device's own compute capability (``load_module``)
@@ -253,10 +253,23 @@ def _cu_launch_kernel_ex():
     return fn
 
 
-def _pdl_runs_here() -> bool:
+def pdl_status() -> str:
+    """Whether ``launch(..., pdl=True)`` takes programmatic dependent launches on the current GPU: ``"on"``, or
+    ``"off (<why>)"`` (the worker's startup line and ``doctor`` report it)."""
     import torch
 
-    return PDL and _cu_launch_kernel_ex() is not None and device_capability(torch.cuda.current_device())[0] >= 9
+    if not PDL:
+        return "off (SGLANG_KDTREE_PDL=0)"
+    if _cu_launch_kernel_ex() is None:
+        return "off (the CUDA driver has no cuLaunchKernelEx)"
+    major, minor = device_capability(torch.cuda.current_device())
+    if major < 9:
+        return f"off (compute capability {major}.{minor}: they need 9.0+)"
+    return "on"
+
+
+def _pdl_runs_here() -> bool:
+    return pdl_status() == "on"
 
 
 def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, *, pdl: bool = False) -> None:
