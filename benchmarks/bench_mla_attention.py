@@ -8,6 +8,11 @@ bf16 tensor rate)`` with the bandwidth from a 1 GiB device copy and the rate fro
 FLOPs count only visible (query row, key) pairs: ``2 * (576 + 512)`` per pair. Bytes: the latent KV rows
 read once (576 bf16 each), q, out, LSE and the index arrays.
 
+Ours is timed three ways: an eager call (CUDA events around the call, so the launcher's Python between the events
+counts), a replayed CUDA graph of the call with the split-K factor an eager call picks, and a graph captured the
+way SGLang's verify graph captures it (the split planned for a nominal context). The server runs the kernel only
+inside that captured graph, so the roofline percentage is the graph's; the eager one is printed beside it.
+
 CLI: ``python benchmarks/bench_mla_attention.py [--quick] [--deadline S] [--json PATH]``.
 pytest-benchmark: ``pytest benchmarks/bench_mla_attention.py`` (one mid-size shape, ours and Triton).
 """
@@ -23,7 +28,7 @@ import time
 import pytest
 import torch
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
+from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us
 from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel, synthetic_inputs
 
 GRID_BATCH = (1, 8, 32)
@@ -125,10 +130,31 @@ def torch_runner(case):
     return run
 
 
-def ours_runner(case, kernel=None):
+def ours_runner(case, kernel=None, num_splits=None):
     args = (case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
             case["ancestor_bits"], case["sm_scale"])
-    return lambda: mla_tree_verify(*args, kernel=kernel)
+    return lambda: mla_tree_verify(*args, kernel=kernel, num_splits=num_splits)
+
+
+def eager_splits(case, kernel):
+    """The split-K factor an eager call of ``mla_tree_verify`` picks for ``case`` (the launcher's rule)."""
+    from sglang_kdtree.gpu import mla_attention as mla
+
+    batch = case["kv_indptr"].shape[0] - 1
+    width = case["q"].shape[0] // batch
+    rows = width * case["q"].shape[1]
+    key_tile = mla._WGMMA_KEY_TILE if kernel == "wgmma" else mla._KEY_TILE
+    mean_keys = case["kv_indices"].shape[0] / batch + width
+    return mla.choose_num_splits(batch, rows, mean_keys, mla._num_sms(torch.cuda.current_device()), key_tile)
+
+
+def graph_ms(fn, reps=5):
+    """Median device milliseconds of one replay of ``fn`` captured in a CUDA graph, as SGLang's verify graph runs
+    the kernel: no host time between calls (an eager call's CUDA-event time also counts the launcher's Python)."""
+    graph, _ = capture_graph(fn)
+    ms = cuda_time_us(lambda: [graph.replay() for _ in range(reps)], calls=reps, trials=3, warmup=1) / 1e3
+    del graph
+    return ms
 
 
 def mixed_prefixes(batch, context, seed):
@@ -155,8 +181,12 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
     rows = []
     kernel = resolve_kernel(None, torch.cuda.current_device())
     print(f"# ours = the {kernel} kernel (what the server runs here); mma = the mma.sync kernel", flush=True)
-    header = f"{'bs':>3} {'ctx':>6} {'N':>4} {'H':>3} | {'ours ms':>9} {'mma ms':>8} {'triton ms':>10} " \
-             f"{'torch ms':>9} | {'x mma':>6} {'x triton':>8} {'roof ms':>8} {'% roof':>6} {'TFLOP/s':>7}"
+    print("# ours = an eager call (CUDA events, the launcher's host time included); graph = a replayed CUDA graph of "
+          "the call with the split eager picks; server = a graph captured as the server captures it (split planned "
+          "for a nominal context, gpu/mla_attention._GRAPH_MEAN_PREFIX); % roof from the graph, then eager", flush=True)
+    header = f"{'bs':>3} {'ctx':>6} {'N':>4} {'H':>3} | {'ours ms':>9} {'graph ms':>8} {'server':>7} {'mma ms':>8} " \
+             f"{'triton ms':>10} {'torch ms':>9} | {'x mma':>6} {'x triton':>8} {'roof ms':>8} {'% roof':>6} " \
+             f"{'eager %':>7} {'TFLOP/s':>7}"
     print(header, flush=True)
     for batch, context, width, heads in shapes:
         if time.perf_counter() - t_start > deadline_s:
@@ -167,6 +197,9 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
         flops, nbytes = work(case, prefix)
         roof_ms = max(nbytes / bandwidth, flops / rate) * 1e3
         ours = _timed(ours_runner(case))
+        splits = eager_splits(case, kernel)
+        graph = graph_ms(ours_runner(case, num_splits=splits))
+        server = graph_ms(ours_runner(case))
         mma_ms = ours if kernel == "mma" else _timed(ours_runner(case, "mma"))
         try:
             triton_ms = _timed(sglang_triton_runner(case), min_reps=2, budget_s=0.1)
@@ -177,12 +210,13 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
         if batch * context <= with_torch_limit:
             torch_ms = _timed(torch_runner(case), min_reps=2, budget_s=0.1)
         row = dict(batch=batch, context=context, width=width, heads=heads, prefix=prefix, kernel=kernel,
-                   ours_ms=ours, mma_ms=mma_ms, triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms,
-                   flops=flops, bytes=nbytes)
+                   ours_ms=ours, graph_ms=graph, server_graph_ms=server, splits=splits, mma_ms=mma_ms,
+                   triton_ms=triton_ms, torch_ms=torch_ms, roofline_ms=roof_ms, flops=flops, bytes=nbytes)
         rows.append(row)
-        print(f"{batch:>3} {context:>6} {width:>4} {heads:>3} | {ours:>9.3f} {mma_ms:>8.3f} {triton_ms:>10.3f} "
-              f"{torch_ms:>9.3f} | {mma_ms / ours:>6.2f} {triton_ms / ours:>8.2f} {roof_ms:>8.3f} "
-              f"{100 * roof_ms / ours:>6.1f} {flops / ours / 1e9:>7.0f}", flush=True)
+        print(f"{batch:>3} {context:>6} {width:>4} {heads:>3} | {ours:>9.3f} {graph:>8.3f} {server:>7.3f} "
+              f"{mma_ms:>8.3f} {triton_ms:>10.3f} {torch_ms:>9.3f} | {mma_ms / ours:>6.2f} {triton_ms / ours:>8.2f} "
+              f"{roof_ms:>8.3f} {100 * roof_ms / graph:>6.1f} {100 * roof_ms / ours:>7.1f} {flops / graph / 1e9:>7.0f}",
+              flush=True)
         del case
         torch.cuda.empty_cache()
     return dict(bandwidth=bandwidth, tensor_rate=rate, rows=rows)

@@ -537,31 +537,43 @@ __device__ __forceinline__ void gather_group_impl(const T* __restrict__ row, int
   const float cf = key_float(min(max(cut, __ldg(ccut + g / GT)), KEY_POS_INF));
   u32 raw[Packed<T>::words];
   load_group<T, VEC, GT, FULL>(row + start, n, raw, t);
+  // The mask of the group's columns >= cf. bf16 full chunks: packed compares (set.ge.bf16x2, one per two columns,
+  // hist_pass's PACKED_MASK layout). cf truncated to bf16 gives the same predicate on bf16 values: cf is a bin
+  // edge or a chunk bound, so either bf16-exact, or (a negative edge, whose key's low bits were set by key_float's
+  // complement) within one bf16 step below its truncation c, with no bf16 value in [cf, c).
+  constexpr bool PACKED = FULL && sizeof(T) == 2;
   u32 mask = 0;
+  if constexpr (PACKED) {
+    const u32 c = __float_as_uint(cf) >> 16, c2 = c | (c << 16);
 #pragma unroll
-  for (int e = 0; e < H_ELEMS; ++e)
-    if (group_col<VEC, GT>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
+    for (int i = 0; i < Packed<T>::words; ++i) {
+      u32 ge;
+      asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(ge) : "r"(raw[i]), "r"(c2));
+      mask |= (ge & 0x00010001u) << i;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < H_ELEMS; ++e)
+      if (group_col<VEC, GT>(e, t) < n && elem_float(raw, e, T()) >= cf) mask |= 1u << e;
+  }
   u32 pos = atomicAdd(cursor, (u32)__popc(mask));
-  if constexpr (SEG) {
-    while (mask) {  // re-read (an L1 hit), as hist_pass does: no dynamic index into raw, which would spill it
-      const int e = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const int col = start + group_col<VEC, GT>(e, t);
-      const u32 key = float_key(to_float(__ldg(row + col)));
+  // Only the set bits are visited, each value re-read (an L1 hit, as hist_pass does: a dynamic index into raw
+  // would spill it); a live group has a few.
+  while (mask) {
+    const int bit = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const int col = start + group_col<VEC, GT>(PACKED ? mask_elem(bit) : bit, t);
+    const u32 key = float_key(to_float(__ldg(row + col)));
+    if constexpr (SEG) {
       const u32 bin = key >> H_SHIFT;  // >= b0: the key is >= cut, b0's lower edge
       const u32 sh = 16 * (bin & 1);
       const u32 p = (atomicAdd(st.cur + (bin >> 1), 1u << sh) >> sh) & 0xffffu;
       if (bin >= st.b0 && p < st.end(bin) && p < (u32)cap) dst[p] = composite(key, (u32)col);
       else *st.bad = 1u;
+    } else {
+      if (pos < (u32)cap) dst[pos] = composite(key, (u32)col);  // never out of range
+      ++pos;
     }
-  } else {
-#pragma unroll
-    for (int e = 0; e < H_ELEMS; ++e)
-      if (mask & (1u << e)) {
-        if (pos < (u32)cap)  // never out of range
-          dst[pos] = composite(float_key(elem_float(raw, e, T())), (u32)(start + group_col<VEC, GT>(e, t)));
-        ++pos;
-      }
   }
 }
 
