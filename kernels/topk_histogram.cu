@@ -537,11 +537,13 @@ __device__ __forceinline__ void gather_group_impl(const T* __restrict__ row, int
   const float cf = key_float(min(max(cut, __ldg(ccut + g / GT)), KEY_POS_INF));
   u32 raw[Packed<T>::words];
   load_group<T, VEC, GT, FULL>(row + start, n, raw, t);
-  // The mask of the group's columns >= cf. bf16 full chunks: packed compares (set.ge.bf16x2, one per two columns,
-  // hist_pass's PACKED_MASK layout). cf truncated to bf16 gives the same predicate on bf16 values: cf is a bin
-  // edge or a chunk bound, so either bf16-exact, or (a negative edge, whose key's low bits were set by key_float's
-  // complement) within one bf16 step below its truncation c, with no bf16 value in [cf, c).
-  constexpr bool PACKED = FULL && sizeof(T) == 2;
+  // The mask of the group's columns >= cf. bf16 full chunks of the K <= 256 select: packed compares
+  // (set.ge.bf16x2, one per two columns, hist_pass's PACKED_MASK layout). cf truncated to bf16 gives the same
+  // predicate on bf16 values: cf is a bin edge or a chunk bound, so either bf16-exact, or (a negative edge, whose
+  // key's low bits were set by key_float's complement) within one bf16 step below its truncation c, with no bf16
+  // value in [cf, c). The segment path (K > 256) keeps the compare per column: packed, it was about 1 % slower at
+  // batch 32-64 (benchmarks/RESULTS.md, session 24).
+  constexpr bool PACKED = FULL && sizeof(T) == 2 && !SEG;
   u32 mask = 0;
   if constexpr (PACKED) {
     const u32 c = __float_as_uint(cf) >> 16, c2 = c | (c << 16);
