@@ -137,15 +137,14 @@ def ours_runner(case, kernel=None, num_splits=None):
 
 
 def eager_splits(case, kernel):
-    """The split-K factor an eager call of ``mla_tree_verify`` picks for ``case`` (the launcher's rule)."""
+    """The split-K factor an eager call of ``mla_tree_verify`` picks for ``case``: the launcher's
+    ``planned_num_splits`` for ``mla_tree_verify``'s mean prefix (``kv_indices``' length over the batch)."""
     from sglang_kdtree.gpu import mla_attention as mla
 
     batch = case["kv_indptr"].shape[0] - 1
     width = case["q"].shape[0] // batch
-    rows = width * case["q"].shape[1]
-    key_tile = mla._WGMMA_KEY_TILE if kernel == "wgmma" else mla._KEY_TILE
-    mean_keys = case["kv_indices"].shape[0] / batch + width
-    return mla.choose_num_splits(batch, rows, mean_keys, mla._num_sms(torch.cuda.current_device()), key_tile)
+    return mla.planned_num_splits(batch, width * case["q"].shape[1], case["kv_indices"].shape[0] / batch, width,
+                                  mla._num_sms(torch.cuda.current_device()), kernel)
 
 
 def graph_ms(fn, reps=5):

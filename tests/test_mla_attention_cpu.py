@@ -100,3 +100,19 @@ def test_launch_counts_are_per_device_and_per_kernel(monkeypatch):
     assert mla.launch_count("cuda:0") == 7
     assert mla.launch_counts("cuda:1") == {"mma": 7}
     assert mla.launch_counts("cuda:2") == {} and mla.launch_count("cuda:2") == 0
+
+
+def test_planned_splits_cap_the_context_only_under_capture():
+    """The launcher's plan (``planned_num_splits``): eager launches plan for the batch's mean prefix, captured ones
+    for at most ``_GRAPH_MEAN_PREFIX`` keys. Kimi's batch 32 / N 65 / 8 heads at 16k: 288 CTAs of 64 rows, so 5
+    splits eagerly (1,440 CTAs, 10.9 waves of 132) and 3 captured (the plan for 4,096 keys: 864 CTAs, 6.5 waves,
+    which the cost model prefers to 4's 8.7 by 328 to 330 units)."""
+    from sglang_kdtree.gpu.mla_attention import _GRAPH_MEAN_PREFIX, planned_num_splits
+
+    assert planned_num_splits(32, 65 * 8, 16384, 65, 132, "wgmma") == 5
+    assert planned_num_splits(32, 65 * 8, 16384, 65, 132, "wgmma", capturing=True) == 3
+    for kernel, tile in (("wgmma", 64), ("mma", 32)):
+        for mean, capturing in ((16384, False), (16384, True), (300, True), (2000, False)):
+            planned = min(mean, _GRAPH_MEAN_PREFIX) if capturing else mean
+            assert planned_num_splits(8, 17 * 16, mean, 17, 132, kernel, capturing) == choose_num_splits(
+                8, 17 * 16, planned + 17, 132, key_tile=tile)

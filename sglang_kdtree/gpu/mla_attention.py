@@ -45,6 +45,7 @@ __all__ = [
     "mla_tree_verify_paged",
     "mla_tree_verify_reference",
     "choose_num_splits",
+    "planned_num_splits",
     "ancestor_bits_from_parents",
     "synthetic_inputs",
     "launch_count",
@@ -188,6 +189,20 @@ def choose_num_splits(batch: int, rows_per_request: int, mean_keys: float, num_s
     return best
 
 
+def planned_num_splits(batch: int, rows_per_request: int, mean_prefix: float, width: int, num_sms: int,
+                       kernel: str, capturing: bool = False) -> int:
+    """The split-K factor a launch picks when none is given: ``choose_num_splits`` for ``mean_prefix`` prefix keys
+    plus the ``width`` tree keys, in the ``kernel``'s key stages. ``capturing`` (the launch is being captured in a
+    CUDA graph): a captured graph replays one split factor for every context, and SGLang's graph buffers
+    (kv_indices, req_to_token) are sized for the longest, so the factor is planned for at most
+    ``_GRAPH_MEAN_PREFIX`` prefix keys (any split factor is exact; this only bounds the partial-state scratch the
+    graph keeps)."""
+    if capturing:
+        mean_prefix = min(mean_prefix, _GRAPH_MEAN_PREFIX)
+    key_tile = _WGMMA_KEY_TILE if kernel == "wgmma" else _KEY_TILE
+    return choose_num_splits(batch, rows_per_request, mean_prefix + width, num_sms, key_tile)
+
+
 def _require(cond: bool, exc, msg: str) -> None:
     if not cond:
         raise exc(msg)
@@ -279,17 +294,12 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
 
     device_index = q.device.index or 0
     kernel = resolve_kernel(kernel, device_index)
-    key_tile = _WGMMA_KEY_TILE if kernel == "wgmma" else _KEY_TILE
     batch = kv_start.shape[0]
     rows = q.shape[0] * heads
     rows_per_request = width * heads
     if num_splits is None:
-        if torch.cuda.is_current_stream_capturing():
-            # A captured graph replays one split factor for every context, and SGLang's graph buffers (kv_indices,
-            # req_to_token) are sized for the longest: plan for a nominal context instead (any split factor is
-            # exact; this only bounds the partial-state scratch the graph keeps).
-            mean_prefix = min(mean_prefix, _GRAPH_MEAN_PREFIX)
-        num_splits = choose_num_splits(batch, rows_per_request, mean_prefix + width, _num_sms(device_index), key_tile)
+        num_splits = planned_num_splits(batch, rows_per_request, mean_prefix, width, _num_sms(device_index), kernel,
+                                        torch.cuda.is_current_stream_capturing())
     _require(
         isinstance(num_splits, int) and 1 <= num_splits <= 4096,
         ValueError,
