@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 
-from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us
+from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us, graph_replay_us
 from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel, synthetic_inputs
 
 GRID_BATCH = (1, 8, 32)
@@ -150,10 +150,7 @@ def eager_splits(case, kernel):
 def graph_ms(fn, reps=5):
     """Median device milliseconds of one replay of ``fn`` captured in a CUDA graph, as SGLang's verify graph runs
     the kernel: no host time between calls (an eager call's CUDA-event time also counts the launcher's Python)."""
-    graph, _ = capture_graph(fn)
-    ms = cuda_time_us(lambda: [graph.replay() for _ in range(reps)], calls=reps, trials=3, warmup=1) / 1e3
-    del graph
-    return ms
+    return graph_replay_us(fn, replays=reps) / 1e3
 
 
 def mixed_prefixes(batch, context, seed):

@@ -16,14 +16,7 @@ import argparse
 import importlib
 import json
 
-from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
-
-
-def graph_us(fn, reps=20, rounds=3):
-    """Median device microseconds of one replay of ``fn`` captured in a CUDA graph: ``rounds`` timed passes of
-    ``reps`` back-to-back replays each, after one warm-up pass."""
-    graph, _ = capture_graph(fn)
-    return cuda_time_us(lambda: [graph.replay() for _ in range(reps)], calls=reps, trials=rounds)
+from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us, floor_us, graph_replay_us
 
 
 def main(argv=None) -> int:
@@ -58,7 +51,7 @@ def main(argv=None) -> int:
         logits = peaked_logits(bs, depth, vocab, seed=bs)
         floor = floor_us(logits.numel() * 2, bw)
         amax_out = torch.empty(logits.shape[:-1], dtype=logits.dtype, device="cuda")
-        read = graph_us(lambda: torch.amax(logits, dim=-1, out=amax_out))
+        read = graph_replay_us(lambda: torch.amax(logits, dim=-1, out=amax_out))
         for budget in a.budgets:
             row = {"batch": bs, "budget": budget, "floor_us": floor, "read_us": read}
             ref_ids = None
@@ -80,7 +73,7 @@ def main(argv=None) -> int:
                 if ref_ids is None:
                     ref_ids = ids
                 row[f"{name}_same_ids"] = bool(torch.equal(ids, ref_ids))
-                row[f"{name}_graph_us"] = graph_us(call)
+                row[f"{name}_graph_us"] = graph_replay_us(call)
                 row[f"{name}_eager_us"] = cuda_time_us(call, trials=20, warmup=3)
                 row[f"{name}_flag"] = int(flag.item())
                 del ws

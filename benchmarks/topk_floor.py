@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
+from sglang_kdtree.bench_timing import copy_bandwidth, floor_us, graph_replay_us
 
 _PROBE = r"""
 // Benchmark-only probes (benchmarks/topk_floor.py): an empty kernel, and a streaming max over bf16 row chunks.
@@ -74,11 +74,7 @@ def _probe_module():
 
 def timings(fn, calls: int) -> tuple[float, float]:
     """(us per replay of a one-call graph, us per call in a graph of ``calls`` calls), device time."""
-    one, _ = capture_graph(fn)
-    many, _ = capture_graph(fn, repeat=calls)
-    t1 = cuda_time_us(lambda: [one.replay() for _ in range(20)], calls=20, trials=5, warmup=1)
-    tn = cuda_time_us(many.replay, calls=calls, trials=5, warmup=1)
-    return t1, tn
+    return graph_replay_us(fn, trials=5), graph_replay_us(fn, repeat=calls, replays=1, trials=5)
 
 
 def main(argv=None) -> int:

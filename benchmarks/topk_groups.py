@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-from sglang_kdtree.bench_timing import copy_bandwidth, floor_us
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from topk_ab import graph_us  # noqa: E402  (benchmarks/topk_ab.py: one top-K call's replayed-graph time)
+from sglang_kdtree.bench_timing import copy_bandwidth, floor_us, graph_replay_us
 
 NEVER = 1 << 62
 
@@ -52,7 +47,7 @@ def main(argv=None) -> int:
                 try:
                     fn = lambda: topk.topk_logprobs(x, k, workspace=ws, out=out, error_flag=flag)
                     ids[name] = fn()[1].clone()
-                    row[name] = graph_us(fn, rounds=5)
+                    row[name] = graph_replay_us(fn, trials=5)
                 finally:
                     topk.HIST_G2_MIN_BLOCKS = default
             assert torch.equal(ids["one group"], ids["two groups"]), f"bs {bs} k {k}: the two kernels differ"

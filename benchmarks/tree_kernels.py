@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cpu_time_us, floor_us
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from topk_ab import graph_us  # noqa: E402  (benchmarks/topk_ab.py: one call's replayed-graph time)
+from sglang_kdtree.bench_timing import copy_bandwidth, cpu_time_us, floor_us, graph_replay_us
 
 
 def main(argv=None) -> int:
@@ -59,7 +54,7 @@ def main(argv=None) -> int:
                     fn = lambda: tree.build_trees(lp, ids, budget, roots, out=out, error_flag=flag)
                     t = fn()
                     got[name] = [v.clone() for v in (t.tokens, t.parents, t.depths, t.ranks, t.scores, t.num_nodes)]
-                    row[name] = graph_us(fn, rounds=5)
+                    row[name] = graph_replay_us(fn, trials=5)
                 finally:
                     tree.LIST_MAX_BUDGET = default
             assert all(torch.equal(u, v) for u, v in zip(got["list"], got["slots"])), f"bs {bs} B {budget}"

@@ -3,6 +3,7 @@
 * ``cuda_time_us``: median device microseconds per call, a pair of CUDA events around each timed pass;
 * ``cpu_time_us``: median wall microseconds (``time.perf_counter``), for host work (heapq, numpy, copies);
 * ``capture_graph``: a CUDA graph of back-to-back calls, warmed up on a side stream first;
+* ``graph_replay_us``: median device microseconds per call of such a graph, replayed back to back;
 * ``copy_bandwidth``: device-to-device copy bytes/s, the denominator of every bandwidth floor;
 * ``floor_us``: the microseconds ``nbytes`` take at that bandwidth.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["cuda_time_us", "cpu_time_us", "capture_graph", "copy_bandwidth", "floor_us"]
+__all__ = ["cuda_time_us", "cpu_time_us", "capture_graph", "graph_replay_us", "copy_bandwidth", "floor_us"]
 
 
 def cuda_time_us(run, calls: int = 1, trials: int = 5, warmup: int = 1, *, budget_s: float = 0.0,
@@ -66,6 +67,14 @@ def capture_graph(fn, repeat: int = 1):
         for _ in range(repeat):
             out = fn()
     return graph, out
+
+
+def graph_replay_us(fn, repeat: int = 1, replays: int = 20, trials: int = 3) -> float:
+    """Median device microseconds per call of ``fn``: a CUDA graph of ``repeat`` calls (``capture_graph``), timed
+    ``trials`` times over ``replays`` back-to-back replays after one untimed pass (no host work between calls,
+    as a server's captured graphs run them)."""
+    graph, _ = capture_graph(fn, repeat)
+    return cuda_time_us(lambda: [graph.replay() for _ in range(replays)], calls=replays * repeat, trials=trials)
 
 
 def copy_bandwidth() -> float:

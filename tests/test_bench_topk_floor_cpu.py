@@ -41,3 +41,27 @@ def test_cli_help_needs_no_gpu(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--batches" in out and "--budgets" in out and "--calls" in out
+
+
+def test_graph_replay_us_divides_by_every_call_it_replays(monkeypatch):
+    """``bench_timing.graph_replay_us`` (topk_floor's, topk_ab's and bench_mla_attention's graph timer): a graph
+    of ``repeat`` calls, ``replays`` replays per timed pass, per-call time = pass time / (replays x repeat). The
+    CUDA parts are stood in for."""
+    from sglang_kdtree import bench_timing
+
+    captured, replayed = [], []
+
+    class Graph:
+        def replay(self):
+            replayed.append(1)
+
+    monkeypatch.setattr(bench_timing, "capture_graph", lambda fn, repeat=1: (captured.append(repeat), (Graph(), None))[1])
+
+    def fake_cuda_time_us(run, calls=1, trials=5, **kw):
+        run()
+        return 60.0 / calls  # a pass "took" 60 us
+
+    monkeypatch.setattr(bench_timing, "cuda_time_us", fake_cuda_time_us)
+    assert bench_timing.graph_replay_us(lambda: None) == 60.0 / 20 and len(replayed) == 20
+    assert bench_timing.graph_replay_us(lambda: None, repeat=4, replays=1, trials=5) == 15.0
+    assert captured == [1, 4]
