@@ -31,15 +31,20 @@ from typing import Protocol
 
 import torch
 
+from sglang_kdtree.state import RoundShape
+from sglang_kdtree.widths import expected_accepts
+
 
 @dataclass
 class Trees:
-    """A batch of best-first trees, padded to N rows (``reference.TreeBatch`` as torch tensors)."""
+    """A batch of best-first trees, padded to N rows (``reference.TreeBatch`` as torch tensors); ``scores``
+    ``[bs, N]`` float64 path scores (0 root / padding), None where a caller built the batch without them."""
 
     tokens: torch.Tensor
     depths: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
+    scores: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -57,6 +62,18 @@ class VerifyInputs:
     retrieve_index: torch.Tensor
     retrieve_next_token: torch.Tensor
     retrieve_next_sibling: torch.Tensor
+
+
+@dataclass
+class TreeStep:
+    """Steps 2-3 of a round: the trees cut to the round's verify width, their verify inputs, every request's
+    expected accept length at each tier of the round shape (``[bs, T]`` float32, ``widths.expected_accepts``; None
+    without tiers) and the draft logits ``[bs*L, vocab]`` (None where the step started from log-probs)."""
+
+    trees: Trees
+    verify: VerifyInputs
+    expected: torch.Tensor | None
+    draft_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,11 +124,14 @@ class RoundBackend(Protocol):
     def verify_inputs(self, trees: Trees, seq_lens: torch.Tensor, seq_lens_sum: int | None = None) -> VerifyInputs:
         """The verify forward's inputs for ``trees`` after committed lengths ``seq_lens`` ``[bs]``."""
 
-    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None, prep_mark=None) -> tuple[Trees, VerifyInputs, torch.Tensor]:
-        """Draft head GEMM -> ``topk`` -> ``build`` -> ``verify_inputs`` in one call (``eager_tree_step``);
-        returns the draft logits ``[bs*L, vocab]`` too. ``prep_mark()`` / ``mark()`` (optional): called just
-        before / just after the head GEMM is issued (the round log's ``tree_prep`` / ``draft_head``)."""
+    def build_verify(self, logprobs, ids, budget: int, roots, seq_lens, seq_lens_sum: int):
+        """``build`` then ``verify_inputs`` of the whole tree: ``(trees, verify)`` (one launch on the GPU)."""
+
+    def tree_step(self, rows, weight, shape: RoundShape, roots, seq_lens, seq_lens_sum: int, graph: bool = True,
+                  mark=None, prep_mark=None) -> TreeStep:
+        """``eager_tree_step`` in one call (the GPU replays it from a CUDA graph). ``prep_mark()`` / ``mark()``
+        (optional): called just before / just after the head GEMM is issued (the round log's ``tree_prep`` /
+        ``draft_head``)."""
 
     def accept_greedy(self, trees: Trees, logits: torch.Tensor, max_depth: int) -> AcceptResult:
         """The walk along the target's argmax (``logits`` ``[bs, N, V]``)."""
@@ -139,20 +159,59 @@ class RoundBackend(Protocol):
         (``eager_accept_commit_greedy``)."""
 
 
-def eager_tree_step(backend: RoundBackend, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens,
-                    seq_lens_sum: int, mark=None, prep_mark=None):
-    """``tree_step`` as four calls: the head GEMM ``rows @ weight.T`` cut to ``vocab`` columns (``prep_mark()``
-    before it and ``mark()`` after it, if given: the drafter's head is between them), ``topk`` with
-    ``K = min(budget, vocab)``, ``build``, ``verify_inputs``. Returns ``(trees, verify, draft logits
-    [bs*L, vocab])``."""
+def cut_trees(trees: Trees, width: int) -> Trees:
+    """The first ``width`` rows of every tree (``reference.cut_trees`` on torch tensors: the budget-``width - 1``
+    trees), contiguous."""
+    if width == trees.width:
+        return trees
+    cut = lambda t: None if t is None else t[:, :width].contiguous()  # noqa: E731
+    return Trees(cut(trees.tokens), cut(trees.depths), cut(trees.parents), trees.num_nodes.clamp(max=width - 1),
+                 cut(trees.scores))
+
+
+def tree_verify(backend: RoundBackend, logprobs, ids, shape: RoundShape, roots, seq_lens,
+                seq_lens_sum: int) -> TreeStep:
+    """The tree of ``shape.budget`` nodes from per-depth log-probs, cut to ``shape.width`` rows, its verify inputs
+    and the expected accept length at each tier (from the whole tree: a cut's prefix sum). Every path of the round
+    builds its tree here."""
+    if not shape.is_cut:
+        trees, verify = backend.build_verify(logprobs, ids, shape.budget, roots, seq_lens, int(seq_lens_sum))
+        full = trees
+    else:
+        full = backend.build(logprobs, ids, shape.budget, roots)
+        trees = cut_trees(full, shape.width)
+        verify = backend.verify_inputs(trees, seq_lens, seq_lens_sum=int(seq_lens_sum))
+    expected = expected_accepts(full.scores, full.num_nodes, shape.tiers) if shape.tiers else None
+    return TreeStep(trees, verify, expected)
+
+
+def topk_tree_verify(backend: RoundBackend, logits, shape: RoundShape, roots, seq_lens, seq_lens_sum: int) -> TreeStep:
+    """``[bs*L, vocab]`` draft logits -> per-depth top-K (``K = shape.k``) -> ``tree_verify``."""
+    logprobs, ids = backend.topk(logits.unflatten(0, (roots.shape[0], shape.depths)), shape.k)
+    step = tree_verify(backend, logprobs, ids, shape, roots, seq_lens, seq_lens_sum)
+    step.draft_logits = logits
+    return step
+
+
+def draft_head(rows, weight, vocab: int, out=None):
+    """The drafter's head: ``rows @ weight.T`` (the target's lm_head, in its own dtype) cut to ``vocab`` columns;
+    ``out`` (optional) a static ``[rows, weight rows]`` buffer it is written into."""
+    if out is None:
+        return torch.matmul(rows, weight.t())[:, :vocab]
+    torch.matmul(rows, weight.t(), out=out)
+    return out[:, :vocab]
+
+
+def eager_tree_step(backend: RoundBackend, rows, weight, shape: RoundShape, roots, seq_lens, seq_lens_sum: int,
+                    mark=None, prep_mark=None) -> TreeStep:
+    """``tree_step`` as calls: ``prep_mark()``, the head GEMM (``draft_head``), ``mark()``, then
+    ``topk_tree_verify``."""
     if prep_mark is not None:
         prep_mark()
-    logits = torch.matmul(rows, weight.t())[:, :vocab]  # the GEMM the GPU backend's graph path also runs
+    logits = draft_head(rows, weight, shape.vocab)
     if mark is not None:
         mark()
-    logprobs, ids = backend.topk(logits.unflatten(0, (roots.shape[0], depth)), min(int(budget), int(vocab)))
-    trees = backend.build(logprobs, ids, budget, roots)
-    return trees, backend.verify_inputs(trees, seq_lens, seq_lens_sum=int(seq_lens_sum)), logits
+    return topk_tree_verify(backend, logits, shape, roots, seq_lens, seq_lens_sum)
 
 
 def eager_accept_commit_greedy(backend: RoundBackend, trees, logits, depth: int, verify_slots, pool, hidden,

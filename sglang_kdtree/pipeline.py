@@ -10,8 +10,9 @@ installs never load CuPy) on CUDA. Both implement ``contract.RoundBackend`` and 
 * ``shard_topk(logits_shard, k, id_offset)`` / ``merge_topk(vals [S,...], ids, lse, k)``: the
   tensor-parallel halves (``vocab_parallel_topk`` moves only ``S*K`` candidates + one lse per row);
 * ``build(logprobs, ids, budget, roots [bs])`` -> ``Trees`` (``tokens/depths/parents [bs, N]``, ``num_nodes [bs]``);
-* ``tree_step(rows [bs*L, D], lm_head weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum)`` ->
-  ``(trees, verify, draft logits)``: the head GEMM, ``topk``, ``build`` and ``verify_inputs`` in one call;
+* ``tree_step(rows [bs*L, D], lm_head weight, shape, roots, seq_lens, seq_lens_sum)`` -> ``TreeStep`` (trees cut
+  to ``shape.width``, verify inputs, expected accepts per tier, draft logits): the head GEMM, then
+  ``contract.topk_tree_verify`` (``topk``, ``build``, the cut, ``verify_inputs``), in one call;
   ``accept_commit_greedy(trees, logits, depth, verify_slots, pool, hidden, width)`` -> ``(accept, plan,
   hidden rows)``: ``accept_greedy``, ``commit_plan``, ``commit_kv``, ``gather_hidden`` in one call (the GPU
   backend replays both from CUDA graphs, ``gpu.round_graphs``);
@@ -36,15 +37,18 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kdtree.contract import (AcceptResult, CommitPlan, RoundBackend, Trees, VerifyInputs,
-                                    eager_accept_commit_greedy, eager_tree_step, move_kv_with_sglang)
+from sglang_kdtree.contract import (AcceptResult, CommitPlan, RoundBackend, Trees, TreeStep, VerifyInputs,
+                                    eager_accept_commit_greedy, eager_tree_step, move_kv_with_sglang,
+                                    topk_tree_verify, tree_verify)
 from sglang_kdtree.gpu.backend import GpuBackend
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.reference_backend import ReferenceBackend
+from sglang_kdtree.state import RoundShape
 
-__all__ = ["AcceptResult", "CommitPlan", "GpuBackend", "ReferenceBackend", "RoundBackend", "Trees", "VerifyInputs",
-           "bookkeeping_round", "eager_accept_commit_greedy", "eager_tree_step", "full_mask_numel",
-           "move_kv_with_sglang", "select_backend", "vocab_parallel_topk"]
+__all__ = ["AcceptResult", "CommitPlan", "GpuBackend", "ReferenceBackend", "RoundBackend", "RoundShape", "Trees",
+           "TreeStep", "VerifyInputs", "bookkeeping_round", "eager_accept_commit_greedy", "eager_tree_step",
+           "full_mask_numel", "move_kv_with_sglang", "select_backend", "topk_tree_verify", "tree_verify",
+           "vocab_parallel_topk"]
 
 
 def select_backend(device) -> RoundBackend:
@@ -84,23 +88,19 @@ def vocab_parallel_topk(local_logits: torch.Tensor, k: int, id_offset: int, back
     return backend.merge_topk(torch.stack(gathered_vals), torch.stack(gathered_ids), torch.stack(gathered_lse), k)
 
 
-def bookkeeping_round(backend, draft_logits, budget: int, depth: int, roots, seq_lens, seq_lens_sum: int,
-                      target_logits, verify_slots, hidden, temperatures=None, seeds=None):
-    """The backend steps of one round in the worker's order, one by one (as the worker runs them under tensor
-    parallelism or for a sampled batch), without the model forwards between them (the startup rehearsal and
-    the bench CLI run it on synthetic inputs; on one rank the worker groups steps 2-4 in ``tree_step`` and a
-    greedy batch's accept, commit and hidden gather in ``accept_commit_greedy``): reserve -> top-K -> tree ->
-    verify inputs -> accept (greedy; sampled when ``temperatures`` / ``seeds`` are given) -> commit plan ->
-    accepted hidden rows (no KV move: there is no pool). Returns ``(trees, verify, accept, plan, hidden_rows)``."""
-    bs, _, vocab = draft_logits.shape
-    width = int(budget) + 1
-    backend.reserve(bs, budget, depth, vocab, full_mask_numel(seq_lens_sum, width, bs))
-    logprobs, ids = backend.topk(draft_logits, min(budget, vocab))
-    trees = backend.build(logprobs, ids, budget, roots)
-    verify = backend.verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum)
+def bookkeeping_round(backend, draft_logits, shape: RoundShape, roots, seq_lens, seq_lens_sum: int, target_logits,
+                      verify_slots, hidden, temperatures=None, seeds=None):
+    """The backend steps of one round without the model forwards between them (the startup rehearsal and the
+    bench CLI run it on synthetic inputs): reserve -> ``contract.topk_tree_verify`` (top-K, tree, cut, verify
+    inputs) -> accept (greedy; sampled when ``temperatures`` / ``seeds`` are given) -> commit plan -> accepted
+    hidden rows (no KV move: there is no pool). ``draft_logits`` ``[bs, L, V]``; ``target_logits``, ``verify_slots``
+    and ``hidden`` at ``shape.width`` rows per request. Returns ``(tree step, accept, plan, hidden_rows)``."""
+    bs = draft_logits.shape[0]
+    backend.reserve(bs, shape.budget, shape.depths, shape.vocab, full_mask_numel(seq_lens_sum, shape.full_width, bs))
+    step = topk_tree_verify(backend, draft_logits.flatten(0, 1), shape, roots, seq_lens, seq_lens_sum)
     if temperatures is None:
-        acc = backend.accept_greedy(trees, target_logits, depth)
+        acc = backend.accept_greedy(step.trees, target_logits, shape.depths)
     else:
-        acc = backend.accept_sampled(trees, target_logits, temperatures, seeds, seq_lens, depth)
+        acc = backend.accept_sampled(step.trees, target_logits, temperatures, seeds, seq_lens, shape.depths)
     plan = backend.commit_plan(acc.accepted, acc.accept_lens.to(torch.int64), verify_slots)
-    return trees, verify, acc, plan, backend.gather_hidden(hidden, plan, width)
+    return step, acc, plan, backend.gather_hidden(hidden, plan, shape.width)

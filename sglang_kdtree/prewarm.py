@@ -23,16 +23,17 @@ logger = logging.getLogger(__name__)
 PREWARM_MAX_BATCH = 256
 
 
-def rehearse_round(backend, bs: int, budget: int, depth: int, vocab: int, device, hidden_size: int = 8,
-                   hidden_dtype=torch.bfloat16) -> int:
-    """One greedy and one sampled round of ``backend`` on synthetic inputs at batch ``bs`` (startup pre-warm:
-    compiles every kernel and sizes the backend's buffers); returns the bytes of the verify logits it used."""
-    width = budget + 1
+def rehearse_round(backend, bs: int, shape, device, hidden_size: int = 8, hidden_dtype=torch.bfloat16) -> int:
+    """One greedy and one sampled round of ``backend`` on synthetic inputs at batch ``bs`` and round shape
+    ``shape`` (startup pre-warm: compiles every kernel and sizes the backend's buffers); returns the bytes of the
+    verify logits it used."""
+    width = shape.width
     gen = torch.Generator(device=device).manual_seed(0)
-    draft = torch.randn((bs, depth, vocab), generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    draft = torch.randn((bs, shape.depths, shape.vocab), generator=gen, device=device,
+                        dtype=torch.float32).to(torch.bfloat16)
     prefix = torch.full((bs,), 8, dtype=torch.int64, device=device)
-    logits = torch.randn((bs, width, vocab), generator=gen, device=device, dtype=torch.float32)
-    round_inputs = (draft, budget, depth, torch.zeros(bs, dtype=torch.int64, device=device), prefix, 8 * bs, logits,
+    logits = torch.randn((bs, width, shape.vocab), generator=gen, device=device, dtype=torch.float32)
+    round_inputs = (draft, shape, torch.zeros(bs, dtype=torch.int64, device=device), prefix, 8 * bs, logits,
                     torch.arange(bs * width, dtype=torch.int64, device=device).view(bs, width),
                     torch.zeros((bs * width, hidden_size), dtype=hidden_dtype, device=device))
     bookkeeping_round(backend, *round_inputs)
@@ -56,8 +57,11 @@ def prewarm_round(worker):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_stats()["allocated_bytes.all.current"]
-    logits = rehearse_round(worker.backend, bs, geometry.budget, geometry.depths, geometry.vocab_size, worker.device,
-                            hidden_size=int(runner.model_config.hidden_size), hidden_dtype=worker._draft_dtype)
+    # the largest width sizes every buffer; the smallest tier also runs the cut's steps once
+    logits = 0
+    for width in sorted({geometry.tiers[0], geometry.verify_width}):
+        logits = rehearse_round(worker.backend, bs, geometry.shape(width), worker.device,
+                                hidden_size=int(runner.model_config.hidden_size), hidden_dtype=worker._draft_dtype)
     torch.cuda.synchronize()
     peak = torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
     # a return_logprob batch gathers and log-softmaxes the accepted rows on top (spec_logprobs)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from sglang_kdtree import reference
-from sglang_kdtree.contract import AcceptResult, CommitPlan, Trees, VerifyInputs, move_kv_with_sglang
+from sglang_kdtree.contract import (AcceptResult, CommitPlan, Trees, VerifyInputs, eager_tree_step,
+                                    move_kv_with_sglang)
 from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_TARGET_NAN
 
 #: fault bits, shared with the kernels (``gpu.errors.DEVICE_ERRORS``): the draft logits (the bits the GPU top-K
@@ -52,7 +53,8 @@ def _faulty_requests(x: np.ndarray) -> np.ndarray:
 
 def _tree_batch(trees) -> reference.TreeBatch:
     return reference.TreeBatch(tokens=_np(trees.tokens), depths=_np(trees.depths), parents=_np(trees.parents),
-                               num_nodes=_np(trees.num_nodes))
+                               num_nodes=_np(trees.num_nodes),
+                               scores=None if trees.scores is None else _np(trees.scores))
 
 
 def _screen_target(logits) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +93,8 @@ class ReferenceBackend:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype=dtype)
 
     def _trees(self, tb: reference.TreeBatch) -> Trees:
-        return Trees(self._t(tb.tokens), self._t(tb.depths), self._t(tb.parents), self._t(tb.num_nodes))
+        return Trees(self._t(tb.tokens), self._t(tb.depths), self._t(tb.parents), self._t(tb.num_nodes),
+                     None if tb.scores is None else self._t(tb.scores))
 
     def _verify(self, vi: reference.VerifyInputs) -> VerifyInputs:
         return VerifyInputs(
@@ -155,20 +158,14 @@ class ReferenceBackend:
     def verify_inputs(self, trees, seq_lens, seq_lens_sum=None) -> VerifyInputs:
         return self._verify(reference.verify_inputs(_tree_batch(trees), _np(seq_lens).astype(np.int64)))
 
-    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None, prep_mark=None):
-        """Draft head -> top-K -> tree -> verify inputs (``GpuBackend.tree_step``'s contract): the head GEMM in
-        torch, then one host copy of its logits through the numpy steps, then one conversion of the results."""
-        if prep_mark is not None:
-            prep_mark()
-        logits = torch.matmul(rows, weight.t())[:, :vocab]  # as contract.eager_tree_step
-        if mark is not None:
-            mark()
-        bs = roots.shape[0]
-        lp, ids = self._topk_np(_np(logits.unflatten(0, (bs, depth)).float()), min(int(budget), int(vocab)))
-        tb = self._build_np(lp, ids, budget, _np(roots))
-        vi = reference.verify_inputs(tb, _np(seq_lens).astype(np.int64))
-        return self._trees(tb), self._verify(vi), logits
+    def build_verify(self, logprobs, ids, budget, roots, seq_lens, seq_lens_sum: int):
+        trees = self.build(logprobs, ids, budget, roots)
+        return trees, self.verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum)
+
+    def tree_step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum: int, graph: bool = True, mark=None,
+                  prep_mark=None):
+        """``contract.eager_tree_step`` (no graphs on the host)."""
+        return eager_tree_step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum, mark, prep_mark)
 
     def accept_greedy(self, trees, logits, max_depth) -> AcceptResult:
         x, bad = _screen_target(logits)

@@ -99,8 +99,15 @@ def _sibling_accepts(acc, verify) -> tuple[list, list]:
     return lens, siblings
 
 
-def write_round_record(path: str, backend, device, acc, verify, trees, marks: RoundMarks, graph: bool) -> None:
+def write_round_record(path: str, backend, device, acc, verify, trees, marks: RoundMarks, graph: bool,
+                       width: dict | None = None, tiers: dict | None = None) -> None:
     """Append this round's record to ``path`` (one JSON line):
+
+    * ``width``: the verify width this round used and its accept lengths per request, from the width choice
+      (``width_choice.WidthChooser.last``): ``predicted`` (calibrated, as the choice saw it), ``predicted_raw``
+      (the drafter's own), ``realised``, and ``round_ms`` (the round's host wall time);
+      ``tiers``: per verify width, the target verify forwards run and how many replayed a CUDA graph
+      (``verify_tiers.VerifyTiers.stats``);
 
     * ``accept_lens``, ``num_nodes``; ``sibling_accepts[b]`` counts accepted nodes that are not their
       parent's first child (rank > 0 at their depth): acceptance a chain drafter (DFLASH) could not have;
@@ -118,7 +125,8 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
     """
     lens, siblings = _sibling_accepts(acc, verify)
     record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
-              "backend": backend.name, "graph": bool(graph), "ms": marks.split(), "steps": marks.detail()}
+              "backend": backend.name, "graph": bool(graph), "ms": marks.split(), "steps": marks.detail(),
+              "width": width or {}, "tiers": tiers or {}}
     if backend.name == "gpu":
         from sglang_kdtree.gpu import mla_attention
 

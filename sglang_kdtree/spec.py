@@ -3,8 +3,10 @@
 SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` instance registered by
 ``sglang_kdtree.plugin.register``. This module decides, at startup, which settings DDTree can honour:
 
-* **Node budget** B: ``--speculative-num-draft-tokens N`` is the verify width, ``N = B + 1`` (the root plus B
-  tree nodes), ``1 <= B <= MAX_BUDGET``. Unset: ``N = DEFAULT_VERIFY_WIDTH``.
+* **Verify widths**: ``--speculative-num-draft-tokens N`` pins the verify width, ``N = B + 1`` (the root plus B
+  tree nodes), ``1 <= B <= MAX_BUDGET``. Unset: the widths of ``SGLANG_KDTREE_VERIFY_WIDTHS`` (default
+  ``widths.DEFAULT_WIDTHS``), chosen per round (``width_choice``); the tree is built at the largest
+  (``resolve_widths``).
 * **Draft block**: ``--speculative-dflash-block-size`` (optional; else the DFlash drafter's config) gives
   ``L = block_size - 1`` draft depths, ``MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE`` (2..32).
 * **Attention backend** for the target's tree verify must honour a tree mask: ``fa3`` or ``triton`` (MHA and
@@ -20,11 +22,14 @@ Every refusal is a ``ValueError`` raised during argument resolution, naming the 
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from sglang_kdtree.state import (DEFAULT_BUDGET, DEFAULT_VERIFY_WIDTH, MAX_BLOCK_SIZE, MAX_BUDGET, MAX_WIDTH,
                                  MIN_BLOCK_SIZE)
+from sglang_kdtree.width_choice import POLICIES, POLICY_ENV
+from sglang_kdtree.widths import WIDTHS_ENV, parse_widths
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,45 @@ def _is_mla_model(server_args) -> bool | None:
         return None
 
 
+def resolve_widths(flag_value) -> int:
+    """The server's verify widths from ``--speculative-num-draft-tokens`` (one pinned width) or
+    ``SGLANG_KDTREE_VERIFY_WIDTHS`` (tiers chosen per round; ``widths.DEFAULT_WIDTHS`` when neither is given),
+    written back to that variable so every scheduler process reads the same tiers; returns the largest width.
+    ValueError naming the flag or variable, the value and the fix."""
+    text = os.environ.get(WIDTHS_ENV)
+    policy = os.environ.get(POLICY_ENV)
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"KDTREE: {POLICY_ENV}={policy!r} is not one of {', '.join(POLICIES)}; unset it for auto")
+    if flag_value is None:
+        tiers = parse_widths(text)
+        os.environ[WIDTHS_ENV] = ",".join(map(str, tiers))
+        logger.info("KDTREE: verify widths %s chosen per round (--speculative-num-draft-tokens N pins one)",
+                    os.environ[WIDTHS_ENV])
+        return max(tiers)
+    try:
+        width = int(flag_value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"KDTREE: --speculative-num-draft-tokens must be an integer (node budget + 1), got {flag_value!r}"
+        ) from None
+    if not 2 <= width <= MAX_WIDTH:
+        raise ValueError(
+            f"KDTREE: --speculative-num-draft-tokens {width} is out of range: it is the verify width N = budget + 1 "
+            f"and must lie in [2, {MAX_WIDTH}] (node budget 1..{MAX_BUDGET}); e.g. "
+            f"--speculative-num-draft-tokens {DEFAULT_VERIFY_WIDTH} for a budget of {DEFAULT_BUDGET}, or leave it "
+            f"out to let the plugin choose among {WIDTHS_ENV} per round"
+        )
+    if text is not None and text.strip() and max(parse_widths(text)) != width:
+        raise ValueError(
+            f"KDTREE: --speculative-num-draft-tokens {width} pins one verify width, and {WIDTHS_ENV}={text!r} asks "
+            f"for tiers up to {max(parse_widths(text))}; use one of them (drop the flag to choose among the tiers, "
+            f"or unset {WIDTHS_ENV} to pin the width)"
+        )
+    if text is None or not text.strip():
+        os.environ[WIDTHS_ENV] = str(width)
+    return width
+
+
 def validate_server_args(server_args) -> None:
     """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load).
 
@@ -111,22 +155,7 @@ def validate_server_args(server_args) -> None:
     other than those is refused: it would have no effect.
     """
     sa = server_args
-    width = sa.speculative_num_draft_tokens
-    if width is None:
-        width = DEFAULT_VERIFY_WIDTH
-        logger.info("KDTREE: --speculative-num-draft-tokens not set; using %d (node budget %d)", width, width - 1)
-    try:
-        width = int(width)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"KDTREE: --speculative-num-draft-tokens must be an integer (node budget + 1), got {width!r}"
-        ) from None
-    if not 2 <= width <= MAX_WIDTH:
-        raise ValueError(
-            f"KDTREE: --speculative-num-draft-tokens {width} is out of range: it is the verify width N = budget + 1 "
-            f"and must lie in [2, {MAX_WIDTH}] (node budget 1..{MAX_BUDGET}); e.g. "
-            f"--speculative-num-draft-tokens {DEFAULT_VERIFY_WIDTH} for a budget of {DEFAULT_BUDGET}"
-        )
+    width = resolve_widths(sa.speculative_num_draft_tokens)
     block = sa.speculative_dflash_block_size
     if block is not None and not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE:
         raise ValueError(
@@ -248,5 +277,5 @@ class KDTreeSpec(CustomSpecAlgo):
         from sglang.srt.arg_groups.overrides import resolving_view
 
         cfg = resolving_view(server_args)
-        width = cfg.speculative_num_draft_tokens or DEFAULT_VERIFY_WIDTH
+        width = cfg.speculative_num_draft_tokens or max(parse_widths(os.environ.get(WIDTHS_ENV)))
         return max(int(width), int(cfg.speculative_dflash_block_size or 0))

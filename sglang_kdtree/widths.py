@@ -8,6 +8,8 @@ have built, it only chooses how much of it the target verifies.
 * ``parse_widths``: the tier set of ``SGLANG_KDTREE_VERIFY_WIDTHS`` (verify widths N = budget + 1, the root
   included), refused with a message naming the variable, the value and the fix.
 * ``best_width``: the width with the most expected committed tokens per second (ties: the smaller width).
+* ``expected_accepts`` / ``realised_accepts``: per request and tier, the drafter's expected accept length of the
+  cut (a prefix sum over the whole tree) and the accept length the cut would have had (from the verified walk).
 
 The server's online estimator (``width_choice.WidthChooser``) and the Kimi round model
 (``benchmarks/kimi_round.py``) both choose with ``best_width``.
@@ -15,12 +17,12 @@ The server's online estimator (``width_choice.WidthChooser``) and the Kimi round
 
 from __future__ import annotations
 
-from sglang_kdtree.state import MAX_WIDTH
+from sglang_kdtree.state import DEFAULT_VERIFY_WIDTH, MAX_WIDTH
 
 #: the tiers' environment variable: comma-separated verify widths, e.g. ``16,32,48,64``
 WIDTHS_ENV = "SGLANG_KDTREE_VERIFY_WIDTHS"
 #: tile-aligned tiers (multiples of 16 rows: the MoE and attention tiles), the smallest being DFLASH's 16 rows
-DEFAULT_WIDTHS = (16, 32, 48, 64)
+DEFAULT_WIDTHS = (16, 32, 48, DEFAULT_VERIFY_WIDTH)
 #: the most tiers one server captures verify graphs for (each costs graph memory and startup time)
 MAX_TIERS = 8
 
@@ -63,3 +65,32 @@ def best_width(tokens: dict, seconds: dict) -> int:
         raise ValueError(f"no width has both an expected token count and a positive time: {sorted(tokens)} / "
                          f"{sorted(seconds)}")
     return int(best)
+
+
+def expected_accepts(scores, num_nodes, tiers) -> "torch.Tensor":
+    """Every request's expected accept length (bonus included) at each verify width of ``tiers``, under the
+    drafter: ``1 + sum(exp(score_i))`` over the first ``w - 1`` nodes of its tree (``exp(score_i)`` is the
+    drafter's probability that the walk reaches node ``i``, and the cut at ``w`` is the budget-``w - 1`` tree).
+    ``scores`` ``[bs, N]`` float64 path scores (root in column 0), ``num_nodes`` ``[bs]``; returns ``[bs, T]``
+    float32 on their device. A width past ``N`` counts the whole tree."""
+    import torch
+
+    bs, width = scores.shape
+    reach = torch.exp(scores[:, 1:].to(torch.float32))
+    node = torch.arange(1, width, device=scores.device)
+    reach = torch.where(node[None, :] <= num_nodes[:, None], reach, torch.zeros((), device=scores.device))
+    cum = torch.cat([torch.zeros((bs, 1), device=scores.device), torch.cumsum(reach, dim=1)], dim=1)
+    # column by column from host ints: no host-to-device copy, so the GPU round can capture it in a CUDA graph
+    return 1.0 + torch.stack([cum[:, min(int(w), width) - 1] for w in tiers], dim=1)
+
+
+def realised_accepts(accepted, tiers) -> "torch.Tensor":
+    """Every request's accept length (bonus included) had the round verified each width of ``tiers`` instead:
+    the walk on a cut tree is the walk on the whole tree stopped at its first node past the cut (a node's verify
+    logits depend on its ancestors only, which precede it), so it is the number of accepted node indices below
+    ``w``. Exact for widths up to the verified one; a larger width's count is only a lower bound. ``accepted``
+    ``[bs, L+1]`` node indices (-1 padded); returns ``[bs, T]`` int64."""
+    import torch
+
+    live = accepted >= 0
+    return torch.stack([(live & (accepted < int(w))).sum(dim=1) for w in tiers], dim=1)

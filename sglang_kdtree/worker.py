@@ -47,17 +47,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from sglang_kdtree import round_faults, round_log, seeded, state
+from sglang_kdtree.contract import TreeStep, draft_head, tree_verify
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.pipeline import select_backend, vocab_parallel_topk
 from sglang_kdtree.prewarm import prewarm_round, rehearse_round  # noqa: F401  (rehearse_round: re-exported)
 from sglang_kdtree.round_log import RoundMarks
 from sglang_kdtree.spec_logprobs import round_logprobs
+from sglang_kdtree.state import RoundShape
+from sglang_kdtree.verify_tiers import VerifyTiers, server_tiers
+from sglang_kdtree.width_choice import POLICY_ENV, WidthChooser
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +105,12 @@ class _Round:
     prefix_sum: int  # sum(P) on the host
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
+    shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
+    started: float  # host clock at the round's start (the width choice's round time)
+
+    @property
+    def width(self) -> int:
+        return self.shape.width
 
     @property
     def bs(self) -> int:
@@ -114,10 +125,13 @@ class KDTreeWorker(DFlashWorkerV2):
 
         block_size = _read_draft_block_size(server_args)
         # the round geometry, published for the patches (KV reservation, request admission) before SGLang
-        # builds the drafter
-        self.geometry = state.Geometry(budget=int(get_spec().speculative_num_draft_tokens) - 1,
-                                       block_size=block_size,
-                                       vocab_size=int(target_worker.model_runner.model_config.vocab_size))
+        # builds the drafter; the tree is built at the largest verify width, which SGLang's own buffers and
+        # verify graphs are sized for
+        width = int(get_spec().speculative_num_draft_tokens)
+        tiers = server_tiers(width)
+        self.geometry = state.Geometry(budget=width - 1, block_size=block_size,
+                                       vocab_size=int(target_worker.model_runner.model_config.vocab_size),
+                                       widths=tiers if len(tiers) > 1 else ())
         state.publish(self.geometry)
         self.verify_width, self.budget = self.geometry.verify_width, self.geometry.budget
         # DFlashWorkerV2 sizes its draft block (buffers, draft CUDA graph, conv layout) from
@@ -131,6 +145,9 @@ class KDTreeWorker(DFlashWorkerV2):
         self.depths, self.vocab_size = self.geometry.depths, self.geometry.vocab_size
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
+        self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device)
+        # the target's attention backend and verify CUDA graphs for every tier below the largest
+        self.verify_tiers = VerifyTiers(self.target_worker.model_runner, self.geometry.tiers)
         # opt-in diagnostics (round_log) and test-only fault injection (round_faults), off unless set
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
@@ -146,9 +163,11 @@ class KDTreeWorker(DFlashWorkerV2):
             from sglang_kdtree.gpu.runtime import pdl_status
 
             launches = pdl_status()
-        logger.info("KDTREE worker: budget %d (verify width %d), draft block %d, %s backend, round graphs %s, "
-                    "dependent launches %s", self.budget, self.verify_width, block_size, self.backend.name,
-                    "on" if self._round_graphs and gpu else "off", launches)
+        logger.info("KDTREE worker: budget %d, verify widths %s (%s), draft block %d, %s backend, round graphs %s, "
+                    "dependent launches %s; %s", self.budget, ",".join(map(str, self.geometry.tiers)),
+                    "pinned" if len(self.geometry.tiers) == 1 else f"chosen per round, policy {self.chooser.policy}",
+                    block_size, self.backend.name, "on" if self._round_graphs and gpu else "off", launches,
+                    self.verify_tiers.describe())
 
     @staticmethod
     @contextmanager
@@ -193,17 +212,16 @@ class KDTreeWorker(DFlashWorkerV2):
         rnd = self._begin_round(batch)
         draft_hidden = self._draft_block(batch, rnd.draft_input, rnd.prefix_lens)  # 1. draft
         rnd.marks.mark("draft")
-        trees, verify, draft_logits = self._topk_and_tree(rnd, draft_hidden)  # 2-3. top-K, tree
-        verify_slots, kv_plan, target_out, logits = self._verify(rnd, trees, verify)  # 4. verify
-        acc, commit, accepted_hidden = self._accept_and_commit(rnd, trees, logits, verify_slots,
+        step = self._topk_and_tree(rnd, draft_hidden)  # 2-3. top-K, tree, cut
+        verify_slots, kv_plan, target_out, logits = self._verify(rnd, step.trees, step.verify)  # 4. verify
+        acc, commit, accepted_hidden = self._accept_and_commit(rnd, step.trees, logits, verify_slots,
                                                                target_out)  # 5-6. accept, commit
         accept_lens = acc.accept_lens.to(torch.int64)
         new_seq_lens = rnd.prefix_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
         self._feed_drafter(rnd, accepted_hidden, kv_plan, accept_lens, target_out.logits_output)  # 7. drafter
-        return self._round_result(rnd, acc, commit, logits, target_out, trees, verify, draft_logits,
-                                  new_seq_lens)  # 8. result
+        return self._round_result(rnd, acc, commit, logits, target_out, step, new_seq_lens)  # 8. result
 
     def _begin_round(self, batch) -> _Round:
         """The round's batch-wide values; the backend's buffers reserved for this batch and context (grow-only;
@@ -213,11 +231,14 @@ class KDTreeWorker(DFlashWorkerV2):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
+        started = time.perf_counter()
         prefix_lens = batch.seq_lens.to(torch.int64)
         prefix_cpu = prefix_lens.to("cpu")
-        rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, int(prefix_cpu.sum()),
+        prefix_sum = int(prefix_cpu.sum())
+        shape = self.geometry.shape(self.chooser.choose(len(prefix_cpu), prefix_sum))
+        rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
                      RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
-                     faults=None)
+                     faults=None, shape=shape, started=started)
         self.backend.reserve(rnd.bs, self.budget, self.depths, self.vocab_size,
                              mask_bytes=full_mask_numel(rnd.prefix_sum, self.verify_width, rnd.bs))
         return rnd
@@ -271,9 +292,9 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE: the DFlash draft model returned no hidden states")
         return hidden.view(bs, block, -1)
 
-    def _topk_and_tree(self, rnd: _Round, draft_hidden):
-        """Steps 2-3: per-depth top-K of the target head on the draft rows, the tree, its verify inputs.
-        Returns ``(trees, verify, draft logits)``."""
+    def _topk_and_tree(self, rnd: _Round, draft_hidden) -> TreeStep:
+        """Steps 2-3: per-depth top-K of the target head on the draft rows, the tree at the full budget, cut to
+        the round's width, its verify inputs (``contract.tree_verify``)."""
         from sglang.srt.lora.layers import unwrap_lora_layer
         from sglang.srt.runtime_context import get_parallel
 
@@ -282,7 +303,6 @@ class KDTreeWorker(DFlashWorkerV2):
         roots = rnd.draft_input.bonus_tokens
         if roots.dtype != torch.int64:
             roots = roots.to(torch.int64)
-        seq_lens_sum = rnd.prefix_sum
         marks = rnd.marks
         # The round log's "tree_prep": this step's host work before the drafter's head GEMM, "draft_head" (and its
         # static inputs' copy when that goes first); in a host-paced round the GPU waits for it. It also holds the
@@ -294,33 +314,32 @@ class KDTreeWorker(DFlashWorkerV2):
             # work by the stream's state)
             lm_head = unwrap_lora_layer(self.target_worker.model_runner.model.lm_head)
             rows = draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]).to(lm_head.weight.dtype)
-            out = self.backend.tree_step(rows, lm_head.weight, self.vocab_size, self.depths, self.budget, roots,
-                                         rnd.prefix_lens, seq_lens_sum, graph=self._round_graphs,
-                                         mark=lambda: marks.mark("draft_head"),
-                                         prep_mark=lambda: marks.mark("tree_prep"))
+            step = self.backend.tree_step(rows, lm_head.weight, rnd.shape, roots, rnd.prefix_lens, rnd.prefix_sum,
+                                          graph=self._round_graphs, mark=lambda: marks.mark("draft_head"),
+                                          prep_mark=lambda: marks.mark("tree_prep"))
             marks.mark("tree_step")
-            return out
+            return step
         marks.mark("tree_prep")
         # tensor parallel (vocab-parallel top-K) or test fault injection: step by step
         logprobs, ids, draft_logits = self._draft_topk(draft_hidden, rnd.faults, marks)
         marks.mark("topk")
-        trees = self.backend.build(logprobs, ids, self.budget, roots)
+        step = tree_verify(self.backend, logprobs, ids, rnd.shape, roots, rnd.prefix_lens, rnd.prefix_sum)
+        step.draft_logits = draft_logits
         marks.mark("build")
-        # the verify input of the N reserved slots after the committed prefix
-        verify = self.backend.verify_inputs(trees, rnd.prefix_lens, seq_lens_sum=seq_lens_sum)
-        marks.mark("verify_inputs")
-        return trees, verify, draft_logits
+        return step
 
     def _verify(self, rnd: _Round, trees, verify):
         """Step 4: the target's TARGET_VERIFY forward of the N tree rows per request. Returns ``(verify slots
         [bs, N], the KV plan, SGLang's forward output, verify logits [bs, N, V])``."""
-        width = self.verify_width
+        width = rnd.width
         verify_slots = self._gather_slots(rnd.batch, rnd.prefix_lens, width)
-        verify_fb, kv_plan = tree_verify_batch(self.target_worker, rnd.batch, verify, verify_slots, rnd.prefix_lens,
-                                               rnd.prefix_cpu, width)
-        rnd.marks.mark("prepare")
-        target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
-                                                                 is_verify=True, skip_attn_backend_init=True)
+        with self.verify_tiers.use(width):  # the target's attention backend and verify graphs of this width
+            verify_fb, kv_plan = tree_verify_batch(self.target_worker, rnd.batch, verify, verify_slots,
+                                                   rnd.prefix_lens, rnd.prefix_cpu, width)
+            rnd.marks.mark("prepare")
+            target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
+                                                                     is_verify=True, skip_attn_backend_init=True)
+        self.verify_tiers.count(width, target_out.can_run_cuda_graph)
         logits = target_out.logits_output.next_token_logits[:, : self.vocab_size].reshape(rnd.bs, width, -1)
         for b in (rnd.faults or {}).get("target_nan", ()):  # test-only fault injection (KDTREE_TEST_FAULTS)
             logits[b, 0, 0] = float("nan")
@@ -339,7 +358,7 @@ class KDTreeWorker(DFlashWorkerV2):
         hidden = target_out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("KDTREE verify requires target hidden states, but got None")
-        width = self.verify_width
+        width = rnd.width
         if sampling is None or sampling.is_all_greedy:
             # one call; a CUDA graph replay when the verify forward replayed SGLang's (fixed output addresses)
             out = self.backend.accept_commit_greedy(trees, logits, self.depths, verify_slots, pool, hidden, width,
@@ -362,7 +381,7 @@ class KDTreeWorker(DFlashWorkerV2):
         chain positions P..P+tau-1."""
         commit_width = accepted_hidden.shape[1]
         chain_positions = rnd.prefix_lens[:, None] + torch.arange(commit_width, device=self.device)[None, :]
-        draft_slots = self._draft_write_ids(kv_plan).view(rnd.bs, self.verify_width)[:, :commit_width]
+        draft_slots = self._draft_write_ids(kv_plan).view(rnd.bs, rnd.width)[:, :commit_width]
         self._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=accepted_hidden.reshape(-1, accepted_hidden.shape[-1]),
             cache_loc=draft_slots.reshape(-1).contiguous(), cache_loc_2d=draft_slots.contiguous(),
@@ -371,24 +390,27 @@ class KDTreeWorker(DFlashWorkerV2):
         logits_output.hidden_states = None
         rnd.marks.mark("features")
 
-    def _round_result(self, rnd: _Round, acc, commit, logits, target_out, trees, verify, draft_logits,
-                      new_seq_lens):
-        """Step 8: the V2 result (stride-N token rows whose first tau entries are committed), the logprobs of the
-        committed tokens (``return_logprob`` batches), the round's faults and its log record."""
+    def _round_result(self, rnd: _Round, acc, commit, logits, target_out, step: TreeStep, new_seq_lens):
+        """Step 8: the V2 result (token rows of the server's stride N, whatever width this round verified, whose
+        first tau entries are committed), the logprobs of the committed tokens (``return_logprob`` batches), the
+        round's faults, the width choice's statistics and the round log's record."""
         from sglang.srt.managers.scheduler import GenerationBatchResult
         from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
         logits_output = target_out.logits_output
-        out_tokens = acc.committed.clamp_min(0)  # [bs, N]: the tau committed tokens, then 0
+        out_tokens = torch.nn.functional.pad(acc.committed.clamp_min(0), (0, self.verify_width - rnd.width))
         if rnd.batch.return_logprob:
-            # from the verify rows of the accepted nodes, over the C = min(N, L + 1) columns a round can commit
-            cols = self.geometry.commit_width
+            # from the verify rows of the accepted nodes, over the C = min(width, L + 1) columns a round can commit
+            cols = min(rnd.width, self.geometry.block_size)
             round_logprobs(rnd.batch, logits_output, logits, acc.accepted[:, :cols], acc.committed[:, :cols])
         rnd.marks.mark("accept_commit")
-        round_faults.end_faulty_requests(self.backend, rnd.batch, acc, commit, draft_logits)
+        self.chooser.record(rnd.width, rnd.bs, rnd.prefix_sum, rnd.started, step.expected, acc.accepted)
+        round_faults.end_faulty_requests(self.backend, rnd.batch, acc, commit, step.draft_logits)
+        self.chooser.settle()  # after the host read above: this round's statistics have landed
         if self._round_log is not None:
-            round_log.write_round_record(self._round_log, self.backend, self.device, acc, verify, trees, rnd.marks,
-                                         target_out.can_run_cuda_graph)
+            round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,
+                                         rnd.marks, target_out.can_run_cuda_graph, width=self.chooser.last,
+                                         tiers=self.verify_tiers.stats())
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -412,14 +434,14 @@ class KDTreeWorker(DFlashWorkerV2):
         bs, _, hidden_size = draft_hidden.shape
         rows = draft_hidden[:, 1:, :].reshape(-1, hidden_size).to(lm_head.weight.dtype)
         # the head's own dtype (bf16 in serving): both backends read it as it is, no fp32 copy
-        local = torch.nn.functional.linear(rows, lm_head.weight)
+        local = draft_head(rows, lm_head.weight, lm_head.weight.shape[0])
         if marks is not None:
             marks.mark("draft_head")
         for b in (faults or {}).get("draft_nan", ()):  # test-only fault injection (KDTREE_TEST_FAULTS)
             local[b * self.depths, 0] = float("nan")
         shard = getattr(lm_head, "shard_indices", None)
         tp = get_parallel().tp_size
-        k = min(self.budget, self.vocab_size)
+        k = self.geometry.shape().k
         if tp == 1:
             logprobs, ids = self.backend.topk(local[:, : self.vocab_size].unflatten(0, (bs, self.depths)), k)
         else:

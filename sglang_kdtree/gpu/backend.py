@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def _as_trees(t) -> Trees:
-    return Trees(t.tokens, t.depths, t.parents, t.num_nodes)
+    return Trees(t.tokens, t.depths, t.parents, t.num_nodes, t.scores)
 
 
 def _as_verify(v) -> VerifyInputs:
@@ -146,26 +146,24 @@ class GpuBackend:
                                                       error_flag=self.tree_errors)
         return _as_trees(trees), _as_verify(verify)
 
-    def tree_step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-                  graph: bool = True, mark=None, prep_mark=None):
-        """The round's draft head -> top-K -> tree -> verify inputs in one call: ``rows`` ``[bs*L, D]`` draft
-        hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head (``V' >= vocab``,
-        the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum; ``prep_mark()`` and
-        ``mark()`` (optional) are called just before and just after the head GEMM is issued. Returns ``(trees,
-        verify, draft logits [bs*L, vocab] view)``.
+    def tree_step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum: int, graph: bool = True, mark=None,
+                  prep_mark=None):
+        """The round's draft head -> top-K -> tree -> cut -> verify inputs (``contract.eager_tree_step``): ``rows``
+        ``[bs*L, D]`` draft hidden rows (depths 1..L of each request), ``weight`` the target's ``[V', D]`` lm_head
+        (``V' >= shape.vocab``, the head's dtype), ``roots`` ``[bs]``, ``seq_lens`` ``[bs]`` and their host sum;
+        ``prep_mark()`` and ``mark()`` (optional) are called just before and just after the head GEMM is issued.
+        Returns a ``contract.TreeStep``.
 
         Within a reservation and with ``graph`` on, the head GEMM runs eagerly into a static buffer and the
-        other steps replay one CUDA graph per batch size (``gpu.round_graphs.TreeStepGraphs``); outside a
+        other steps replay one CUDA graph per batch size and width (``gpu.round_graphs.TreeStepGraphs``); outside a
         reservation, or once a capture failed, everything runs eagerly."""
-        if graph and self._reserved_for(roots.shape[0], depth, vocab) is not None:
+        if graph and self._reserved_for(roots.shape[0], shape.depths, shape.vocab) is not None:
             if seq_lens.dtype != torch.int64:
                 seq_lens = seq_lens.to(torch.int64)
-            out = self._tree_graphs.step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark,
-                                         prep_mark)
+            out = self._tree_graphs.step(rows, weight, shape, roots, seq_lens, seq_lens_sum, mark, prep_mark)
             if out is not None:
-                return out  # the contract's types already (TreeStepGraphs.step)
-        return eager_tree_step(self, rows, weight, vocab, depth, budget, roots, seq_lens, seq_lens_sum, mark,
-                               prep_mark)
+                return out
+        return eager_tree_step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum, mark, prep_mark)
 
     def accept_commit_greedy(self, trees, logits, depth: int, verify_slots, pool, hidden, width: int,
                              graph: bool = False):

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from sglang_kdtree.contract import VerifyInputs
+from sglang_kdtree.contract import TreeStep, VerifyInputs, draft_head, topk_tree_verify
 from sglang_kdtree.gpu.verify import full_mask_numel, verify_views
 
 logger = logging.getLogger(__name__)
@@ -122,10 +122,10 @@ class TreeStepGraphs(_Graphs):
             self._roots = torch.empty(max_batch, dtype=torch.int64, device=dev)
             self._seq = torch.empty(max_batch, dtype=torch.int64, device=dev)
 
-    def step(self, rows, weight, vocab: int, depth: int, budget: int, roots, seq_lens, seq_lens_sum: int,
-             mark=None, prep_mark=None):
-        """``(trees, verify (the contract's ``VerifyInputs``), draft logits [bs*L, vocab])`` or None when graphs are
-        off; ``prep_mark()`` (optional) is called just before the head GEMM is issued, ``mark()`` once it is.
+    def step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum: int, mark=None, prep_mark=None):
+        """The round's ``contract.TreeStep`` (the verify inputs' FULL_MASK cut to this round's length) or None when
+        graphs are off; ``prep_mark()`` (optional) is called just before the head GEMM is issued, ``mark()`` once
+        it is.
 
         The order follows the GPU. In a server this step's host work (the key, the graph lookup, the static inputs'
         copy) is tens of microseconds of Python, and the GPU waits for whatever is issued after it:
@@ -139,17 +139,16 @@ class TreeStepGraphs(_Graphs):
         self._check_builder()
         backend, builder = self._backend, self._backend._builder
         bs = roots.shape[0]
-        width = int(budget) + 1
-        mask_numel = full_mask_numel(int(seq_lens_sum), width, bs)
-        if budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
+        mask_numel = full_mask_numel(int(seq_lens_sum), shape.width, bs)
+        if shape.budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
             return None  # not within the reservation: the caller runs the steps eagerly
-        self._inputs(builder.max_batch, depth, weight)
-        logits, roots_in, seq_in = self._logits[: bs * depth], self._roots[:bs], self._seq[:bs]
+        self._inputs(builder.max_batch, shape.depths, weight)
+        logits, roots_in, seq_in = self._logits[: bs * shape.depths], self._roots[:bs], self._seq[:bs]
 
         def head():  # the drafter's head, eagerly (cuBLAS); the round log's tree_prep ends before it
             if prep_mark is not None:
                 prep_mark()
-            torch.matmul(rows, weight.t(), out=logits)
+            draft_head(rows, weight, shape.vocab, out=logits)
             if mark is not None:
                 mark()
 
@@ -157,29 +156,28 @@ class TreeStepGraphs(_Graphs):
         if head_first:
             head()
             self.head_first += 1
-        k = min(int(budget), int(vocab))
         verify_buf = builder.verify
-        key = (bs, depth, k, int(budget), int(vocab), verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(),
-               logits.data_ptr(), logits.shape[1])
+        key = (bs, shape, verify_buf.full_mask.data_ptr(), verify_buf.full_mask.numel(), logits.data_ptr(),
+               logits.shape[1])
         hit = self._graphs.get(key)
         torch._foreach_copy_((roots_in, seq_in), (roots, seq_lens))  # both static inputs in one launch
         if not head_first:
             head()
 
         def body():
-            lp, ids = backend.topk(logits[:, :vocab].unflatten(0, (bs, depth)), k)
-            # tree and verify inputs in one launch (budgets <= 256); the FULL_MASK offsets come from seq_in on the
-            # device, the host size only cuts the view
-            trees, _ = backend.build_verify(lp, ids, budget, roots_in, seq_in, int(seq_lens_sum))
+            # the FULL_MASK offsets come from seq_in on the device, the host size only cuts the view
+            step = topk_tree_verify(backend, logits[:, :shape.vocab], shape, roots_in, seq_in, int(seq_lens_sum))
             # the result's views, kept with the graph (a round then cuts only the FULL_MASK, whose length follows
             # the committed lengths): eleven tensor views less of host work per round on a host-bound step
-            return trees, verify_views(verify_buf, bs, width, 0), logits[:, :vocab]
+            step.verify = verify_views(verify_buf, bs, shape.width, 0)
+            return step
 
-        trees, v, head_logits = self.run(key, body, hit)
-        # the contract's (unfrozen) VerifyInputs built once, with this round's FULL_MASK length
+        step = self.run(key, body, hit)
+        v = step.verify
+        # the contract's (unfrozen) values built once per round, with this round's FULL_MASK length
         verify = VerifyInputs(v.input_ids, v.positions, verify_buf.full_mask[:mask_numel], v.ancestor_bits,
                               v.retrieve_index, v.retrieve_next_token, v.retrieve_next_sibling)
-        return trees, verify, head_logits
+        return TreeStep(step.trees, verify, step.expected, step.draft_logits)
 
 
 class AcceptCommitGraphs(_Graphs):

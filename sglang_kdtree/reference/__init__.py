@@ -6,7 +6,8 @@ One decoding round of DDTree (see ``shared/notes/ddtree.md``, the contract):
    their log-probabilities ``logit - logsumexp(row)``; equal logits: lower token id first.
 2. ``build_tree`` / ``build_trees``: the exact best-first tree of ``min(budget, reachable)`` nodes,
    float64 scores with incremental sibling arithmetic, ties to the lexicographically smaller rank tuple,
-   nodes numbered in pop order, node 0 = the root (the bonus token of the previous round).
+   nodes numbered in pop order, node 0 = the root (the bonus token of the previous round). ``cut_trees``: the
+   first ``n`` rows of a budget-``B`` tree, which are exactly its budget-``n - 1`` tree (the verify width's cut).
 3. ``verify_inputs``: what the target's tree-verify forward consumes: input ids ``[root, nodes]``,
    positions ``P + depth``, SGLang's FULL_MASK for a batch, bit-packed ancestor rows, and the
    first-child / next-sibling / retrieve-index links of SGLang's ``verify_tree_greedy``.
@@ -43,7 +44,7 @@ from sglang_kdtree.reference.sampling import (
     sampling_weights,
 )
 from sglang_kdtree.reference.topk import merge_topk_partials, shard_topk_partials, topk_logprobs
-from sglang_kdtree.reference.tree import Tree, TreeBatch, build_tree, build_trees
+from sglang_kdtree.reference.tree import Tree, TreeBatch, build_tree, build_trees, cut_trees
 from sglang_kdtree.reference.verify import VerifyInputs, ancestor_bits_to_bool, ancestor_matrix, verify_inputs
 from sglang_kdtree.state import MAX_BUDGET
 
@@ -60,6 +61,7 @@ __all__ = [
     "merge_topk_partials",
     "build_tree",
     "build_trees",
+    "cut_trees",
     "ancestor_matrix",
     "verify_inputs",
     "ancestor_bits_to_bool",

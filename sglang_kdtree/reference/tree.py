@@ -124,12 +124,16 @@ class TreeBatch:
         depths: ``[bs, N]`` int64; 0 for the root and padding.
         parents: ``[bs, N]`` int64; -1 for the root and padding.
         num_nodes: ``[bs]`` int64, nodes per request besides the root (``<= budget``).
+        scores: ``[bs, N]`` float64 path scores (the sum of the path's log-probs; 0 for the root and padding),
+            or None where a caller built the batch without them. ``exp(scores)`` is the drafter's probability
+            that the walk reaches the node (``widths.expected_accepts``).
     """
 
     tokens: np.ndarray
     depths: np.ndarray
     parents: np.ndarray
     num_nodes: np.ndarray
+    scores: np.ndarray | None = None
 
     @property
     def width(self) -> int:
@@ -160,6 +164,7 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens) -> TreeBatch:
     depths = np.zeros((bs, width), dtype=np.int64)
     parents = np.full((bs, width), -1, dtype=np.int64)
     num_nodes = np.zeros(bs, dtype=np.int64)
+    scores = np.zeros((bs, width), dtype=np.float64)
     tokens[:, 0] = root_tokens
     for b in range(bs):
         t = build_tree(logprobs[b], token_ids[b], budget)
@@ -167,8 +172,20 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens) -> TreeBatch:
         tokens[b, 1 : n + 1] = t.tokens
         depths[b, 1 : n + 1] = t.depths
         parents[b, : n + 1] = t.parents
+        scores[b, 1 : n + 1] = t.scores
         num_nodes[b] = n
-    return TreeBatch(tokens=tokens, depths=depths, parents=parents, num_nodes=num_nodes)
+    return TreeBatch(tokens=tokens, depths=depths, parents=parents, num_nodes=num_nodes, scores=scores)
+
+
+def cut_trees(trees: TreeBatch, width: int) -> TreeBatch:
+    """The first ``width`` rows of every tree (the root and the first ``width - 1`` nodes in pop order): exactly
+    the trees ``build_trees`` gives at budget ``width - 1`` from the same log-probs, since best-first pops every
+    parent before its children and never depends on the budget until it stops."""
+    if not 1 <= width <= trees.width:
+        raise ValueError(f"cut width {width} must lie in [1, {trees.width}]")
+    cut = lambda a: None if a is None else np.ascontiguousarray(a[:, :width])  # noqa: E731
+    return TreeBatch(tokens=cut(trees.tokens), depths=cut(trees.depths), parents=cut(trees.parents),
+                     num_nodes=np.minimum(trees.num_nodes, width - 1), scores=cut(trees.scores))
 
 
 def _check_tree_batch(trees: TreeBatch) -> None:
