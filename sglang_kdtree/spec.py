@@ -107,18 +107,26 @@ def _is_mla_model(server_args) -> bool | None:
         return None
 
 
+#: set when the plugin itself wrote ``SGLANG_KDTREE_VERIFY_WIDTHS`` (so a later resolution in the same process may
+#: replace it; a user's own value is only ever checked against the flag)
+_WRITTEN_ENV = "SGLANG_KDTREE_VERIFY_WIDTHS_RESOLVED"
+
+
 def resolve_widths(flag_value) -> int:
     """The server's verify widths from ``--speculative-num-draft-tokens`` (one pinned width) or
     ``SGLANG_KDTREE_VERIFY_WIDTHS`` (tiers chosen per round; ``widths.DEFAULT_WIDTHS`` when neither is given),
     written back to that variable so every scheduler process reads the same tiers; returns the largest width.
     ValueError naming the flag or variable, the value and the fix."""
     text = os.environ.get(WIDTHS_ENV)
+    if os.environ.get(_WRITTEN_ENV) == "1" and flag_value is not None and text and \
+            max(parse_widths(text)) != int(flag_value):
+        text = None  # written by an earlier resolution in this process (another engine), not by the user
     policy = os.environ.get(POLICY_ENV)
     if policy is not None and policy not in POLICIES:
         raise ValueError(f"KDTREE: {POLICY_ENV}={policy!r} is not one of {', '.join(POLICIES)}; unset it for auto")
     if flag_value is None:
         tiers = parse_widths(text)
-        os.environ[WIDTHS_ENV] = ",".join(map(str, tiers))
+        os.environ[WIDTHS_ENV], os.environ[_WRITTEN_ENV] = ",".join(map(str, tiers)), "1"
         logger.info("KDTREE: verify widths %s chosen per round (--speculative-num-draft-tokens N pins one)",
                     os.environ[WIDTHS_ENV])
         return max(tiers)
@@ -142,7 +150,7 @@ def resolve_widths(flag_value) -> int:
             f"or unset {WIDTHS_ENV} to pin the width)"
         )
     if text is None or not text.strip():
-        os.environ[WIDTHS_ENV] = str(width)
+        os.environ[WIDTHS_ENV], os.environ[_WRITTEN_ENV] = str(width), "1"
     return width
 
 

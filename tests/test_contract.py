@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang_kdtree import contract, pipeline
+from sglang_kdtree.state import RoundShape
 
 PROTOCOL_MEMBERS = [name for name in vars(contract.RoundBackend) if not name.startswith("_")] + [
     "name", "device", "tree_errors", "commit_errors"]
@@ -41,7 +42,10 @@ def test_reference_results_have_the_contract_shapes(budget, depth):
     rows, weight, roots, seq, target, slots, hidden = _round(bs, budget, depth, vocab)
     backend = pipeline.ReferenceBackend("cpu")
     width = budget + 1
-    trees, verify, logits = backend.tree_step(rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()))
+    step = backend.tree_step(rows, weight, RoundShape(budget, width, depth, vocab, (2, width)), roots, seq,
+                             int(seq.sum()))
+    trees, verify, logits = step.trees, step.verify, step.draft_logits
+    assert step.expected.shape == (bs, 2) and step.expected.dtype == torch.float32
     assert isinstance(trees, contract.Trees) and isinstance(verify, contract.VerifyInputs)
     assert logits.shape == (bs * depth, vocab)
     for t in (trees.tokens, trees.depths, trees.parents):
@@ -84,10 +88,11 @@ def test_tree_step_marks_bracket_the_head_gemm(monkeypatch):
 
     monkeypatch.setattr(torch, "matmul", recorded)
     marks = dict(mark=lambda: calls.append("mark"), prep_mark=lambda: calls.append("prep"))
-    backend.tree_step(rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()), **marks)
+    shape = RoundShape(budget, budget + 1, depth, vocab)
+    backend.tree_step(rows, weight, shape, roots, seq, int(seq.sum()), **marks)
     assert calls == ["prep", "gemm", "mark"]
     calls.clear()
-    contract.eager_tree_step(backend, rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()), **marks)
+    contract.eager_tree_step(backend, rows, weight, shape, roots, seq, int(seq.sum()), **marks)
     assert calls == ["prep", "gemm", "mark"]
 
 
@@ -95,15 +100,8 @@ def test_reference_grouped_calls_equal_the_steps_one_by_one():
     bs, budget, depth, vocab = 3, 6, 4, 20
     rows, weight, roots, seq, target, slots, hidden = _round(bs, budget, depth, vocab, seed=3)
     backend = pipeline.ReferenceBackend("cpu")
-    trees, verify, logits = backend.tree_step(rows, weight, vocab, depth, budget, roots, seq, int(seq.sum()))
-    e_trees, e_verify, e_logits = contract.eager_tree_step(backend, rows, weight, vocab, depth, budget, roots, seq,
-                                                           int(seq.sum()))
-    assert torch.equal(logits, e_logits)
-    for field in ("tokens", "depths", "parents", "num_nodes"):
-        assert torch.equal(getattr(trees, field), getattr(e_trees, field)), field
-    for field in ("input_ids", "positions", "full_mask", "ancestor_bits", "retrieve_index", "retrieve_next_token",
-                  "retrieve_next_sibling"):
-        assert torch.equal(getattr(verify, field), getattr(e_verify, field)), field
+    trees = backend.tree_step(rows, weight, RoundShape(budget, budget + 1, depth, vocab), roots, seq,
+                              int(seq.sum())).trees
     moves = []
     pool = types.SimpleNamespace(move_kv_cache=lambda dst, src: moves.append((dst.tolist(), src.tolist())))
     acc, plan, rows_out = backend.accept_commit_greedy(trees, target, depth, slots, pool, hidden, budget + 1)

@@ -8,6 +8,7 @@ import torch
 
 from sglang_kdtree import reference
 from sglang_kdtree.pipeline import ReferenceBackend, select_backend
+from sglang_kdtree.state import RoundShape
 
 
 def _round_inputs(seed=0, bs=3, depths=4, vocab=12, budget=6):
@@ -182,9 +183,11 @@ def test_tree_step_is_head_gemm_then_topk_then_tree_then_verify_inputs():
     roots = rng.integers(0, vocab, size=bs)
     seq_lens = np.array([5, 1, 9])
     marked = []
-    trees, verify, logits = ReferenceBackend("cpu").tree_step(
-        torch.from_numpy(rows), torch.from_numpy(weight), vocab, depths, budget, torch.from_numpy(roots),
-        torch.from_numpy(seq_lens), int(seq_lens.sum()), mark=lambda: marked.append("draft_head"))
+    step = ReferenceBackend("cpu").tree_step(
+        torch.from_numpy(rows), torch.from_numpy(weight), RoundShape(budget, budget + 1, depths, vocab),
+        torch.from_numpy(roots), torch.from_numpy(seq_lens), int(seq_lens.sum()),
+        mark=lambda: marked.append("draft_head"))
+    trees, verify, logits = step.trees, step.verify, step.draft_logits
     assert marked == ["draft_head"]  # the drafter's head ends once, before the bookkeeping
     expect_logits = (rows.astype(np.float64) @ weight.T.astype(np.float64))[:, :vocab]
     np.testing.assert_allclose(logits.numpy(), expect_logits, rtol=1e-5, atol=1e-5)

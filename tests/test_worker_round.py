@@ -12,6 +12,7 @@ import torch
 from sglang_kdtree import pipeline, round_faults
 from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_LOGPROB_NAN
 from sglang_kdtree.round_log import RoundMarks
+from sglang_kdtree.state import RoundShape
 
 
 def _fake_backend(tree_bits=0, commit_bits=0):
@@ -184,9 +185,29 @@ def test_startup_rehearsal_runs_the_rounds_steps_on_either_backend():
     from sglang_kdtree.prewarm import rehearse_round
 
     backend = pipeline.ReferenceBackend("cpu")
-    used = rehearse_round(backend, bs=3, budget=6, depth=4, vocab=40, device="cpu", hidden_size=16)
+    used = rehearse_round(backend, 3, RoundShape(6, 7, 4, 40), device="cpu", hidden_size=16)
     assert used == 3 * 7 * 40 * 4  # the fp32 verify logits it rehearsed with
+    assert rehearse_round(backend, 3, RoundShape(6, 3, 4, 40), device="cpu", hidden_size=16) == 3 * 3 * 40 * 4
     assert int(backend.tree_errors) == 0 and int(backend.commit_errors) == 0
+
+
+def test_bookkeeping_round_cut_verifies_the_smaller_budgets_tree():
+    """A cut round (width 3 of a budget-5 tree) verifies, accepts and commits the budget-2 tree."""
+    gen = torch.Generator().manual_seed(4)
+    bs, budget, depth, vocab, width = 2, 5, 3, 30, 3
+    draft = torch.randn((bs, depth, vocab), generator=gen)
+    target = torch.randn((bs, width, vocab), generator=gen)
+    seq, slots = torch.tensor([4, 9]), torch.arange(bs * width).view(bs, width) + 100
+    hidden, roots = torch.randn((bs * width, 8), generator=gen), torch.tensor([1, 2])
+    b = pipeline.ReferenceBackend("cpu")
+    step, acc, plan, rows = pipeline.bookkeeping_round(b, draft, RoundShape(budget, width, depth, vocab, (width,)),
+                                                       roots, seq, 13, target, slots, hidden)
+    lp, ids = b.topk(draft, width - 1)
+    own = b.build(lp, ids, width - 1, roots)
+    for field in ("tokens", "depths", "parents", "num_nodes"):
+        assert torch.equal(getattr(step.trees, field), getattr(own, field)), field
+    assert torch.equal(acc.committed, b.accept_greedy(own, target, depth).committed)
+    assert step.expected.shape == (bs, 1) and bool((step.expected >= 1).all())
 
 
 def test_bookkeeping_round_equals_the_steps_called_one_by_one():
@@ -199,8 +220,9 @@ def test_bookkeeping_round_equals_the_steps_called_one_by_one():
     hidden = torch.randn((bs * width, 8), generator=gen)
     roots = torch.tensor([1, 2])
     b = pipeline.ReferenceBackend("cpu")
-    trees, verify, acc, plan, rows = pipeline.bookkeeping_round(b, draft, budget, depth, roots, seq, 13, target, slots,
-                                                                hidden)
+    step, acc, plan, rows = pipeline.bookkeeping_round(b, draft, RoundShape(budget, width, depth, vocab), roots, seq,
+                                                       13, target, slots, hidden)
+    trees, verify = step.trees, step.verify
     lp, ids = b.topk(draft, budget)
     t2 = b.build(lp, ids, budget, roots)
     a2 = b.accept_greedy(t2, target, depth)

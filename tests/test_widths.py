@@ -1,0 +1,241 @@
+"""Verify-width tiers: the cut is the smaller budget's tree, the expected and realised accept lengths per tier
+against independent computations, the tier set's startup checks, and the width choice (its calibration
+converges on a synthetic drafter of known calibration; it explores, then picks the best rate)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_kdtree import contract, reference, spec, widths
+from sglang_kdtree.reference_backend import ReferenceBackend
+from sglang_kdtree.state import Geometry, RoundShape
+from sglang_kdtree.width_choice import WidthChooser
+
+
+def _draft(rng, bs, depth, vocab, ties=False):
+    x = rng.normal(size=(bs, depth, vocab)) * 3
+    if ties:
+        x = np.round(x)  # many exact ties: lower token id first, at every K
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget, depth, vocab", [(24, 5, 30), (40, 3, 8), (7, 15, 50), (63, 15, 12)])
+def test_the_cut_is_the_smaller_budgets_tree(seed, budget, depth, vocab):
+    """The first w rows of the budget-B tree equal the budget-(w-1) tree built with its own K = min(w-1, V),
+    for every w (ties, a vocabulary smaller than the budget, trees that run out of reachable nodes)."""
+    rng = np.random.default_rng(seed)
+    x = _draft(rng, 3, depth, vocab, ties=seed % 2 == 0)
+    roots = rng.integers(0, vocab, size=3)
+    lp, ids = reference.topk_logprobs(x, min(budget, vocab))
+    full = reference.build_trees(lp, ids, budget, roots)
+    for width in range(2, budget + 2):
+        own_lp, own_ids = reference.topk_logprobs(x, min(width - 1, vocab))
+        own = reference.build_trees(own_lp, own_ids, width - 1, roots)
+        cut = reference.cut_trees(full, width)
+        for field in ("tokens", "depths", "parents", "num_nodes", "scores"):
+            assert np.array_equal(getattr(cut, field), getattr(own, field)), (width, field)
+
+
+def test_contract_cut_is_the_references_twin():
+    rng = np.random.default_rng(1)
+    lp, ids = reference.topk_logprobs(_draft(rng, 4, 6, 40), 20)
+    full = reference.build_trees(lp, ids, 20, rng.integers(0, 40, size=4))
+    t = contract.Trees(*(torch.from_numpy(getattr(full, f)) for f in ("tokens", "depths", "parents", "num_nodes",
+                                                                      "scores")))
+    for width in (2, 9, 21):
+        cut, ref = contract.cut_trees(t, width), reference.cut_trees(full, width)
+        for field in ("tokens", "depths", "parents", "num_nodes", "scores"):
+            assert np.array_equal(getattr(cut, field).numpy(), getattr(ref, field)), (width, field)
+            assert getattr(cut, field).is_contiguous()
+
+
+@pytest.mark.parametrize("width", [2, 5, 16, 25])
+def test_tree_verify_cut_gives_the_smaller_trees_verify_inputs(width):
+    rng = np.random.default_rng(width)
+    bs, depth, vocab, budget = 3, 6, 40, 24
+    x = _draft(rng, bs, depth, vocab)
+    roots = torch.from_numpy(rng.integers(0, vocab, size=bs))
+    seq = torch.tensor([3, 0, 17])
+    backend = ReferenceBackend("cpu")
+    lp, ids = backend.topk(torch.from_numpy(x), budget)
+    step = contract.tree_verify(backend, lp, ids, RoundShape(budget, width, depth, vocab, (2, width, budget + 1)),
+                                roots, seq, int(seq.sum()))
+    own_lp, own_ids = reference.topk_logprobs(x, width - 1)
+    own = reference.build_trees(own_lp, own_ids, width - 1, roots.numpy())
+    ref = reference.verify_inputs(own, seq.numpy())
+    assert step.trees.width == width and step.verify.input_ids.numel() == bs * width
+    for field in ("input_ids", "positions", "full_mask", "retrieve_index", "retrieve_next_token",
+                  "retrieve_next_sibling"):
+        assert np.array_equal(getattr(step.verify, field).numpy(), getattr(ref, field)), field
+    assert np.array_equal(step.verify.ancestor_bits.numpy().view(np.uint32), ref.ancestor_bits)
+
+
+def _path_probability(lp, ids, tokens, depths, parents, i):
+    """exp(sum of the path's log-probs), walking parents and looking each token up in its depth's top-K."""
+    logp = 0.0
+    while i > 0:
+        d = int(depths[i])
+        logp += float(lp[d - 1][list(ids[d - 1]).index(int(tokens[i]))])
+        i = int(parents[i])
+    return math.exp(logp)
+
+
+def test_expected_accepts_against_path_probabilities():
+    rng = np.random.default_rng(7)
+    bs, depth, vocab, budget = 3, 5, 12, 30
+    x = _draft(rng, bs, depth, vocab) / 2
+    lp, ids = reference.topk_logprobs(x, min(budget, vocab))
+    trees = reference.build_trees(lp, ids, budget, rng.integers(0, vocab, size=bs))
+    tiers = (2, 8, 16, 31, 40)  # 40: past the tree, counts the whole tree
+    got = widths.expected_accepts(torch.from_numpy(trees.scores), torch.from_numpy(trees.num_nodes), tiers)
+    assert got.shape == (bs, len(tiers)) and got.dtype == torch.float32
+    for b in range(bs):
+        n = int(trees.num_nodes[b])
+        probs = [_path_probability(lp[b], ids[b], trees.tokens[b], trees.depths[b], trees.parents[b], i)
+                 for i in range(1, n + 1)]
+        for j, w in enumerate(tiers):
+            want = 1.0 + sum(probs[: w - 1])
+            assert abs(float(got[b, j]) - want) <= 1e-5 * want, (b, w)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_realised_accepts_equal_the_walk_on_each_cut(seed):
+    """The accept length of a cut, read off the whole tree's walk, equals the greedy walk run on the cut tree with
+    the cut's own verify logits (an independent walk)."""
+    rng = np.random.default_rng(seed)
+    bs, depth, vocab, budget = 5, 6, 4, 20  # a 4-token vocabulary: long accepted paths
+    lp, ids = reference.topk_logprobs(_draft(rng, bs, depth, vocab), min(budget, vocab))
+    full = reference.build_trees(lp, ids, budget, rng.integers(0, vocab, size=bs))
+    logits = rng.normal(size=(bs, budget + 1, vocab)).astype(np.float32)
+    for b in range(bs):  # let the target agree with the tree often: its argmax at a node = a child's token
+        for i in range(budget + 1):
+            kids = [c for c in range(1, budget + 1) if full.parents[b, c] == i]
+            if kids and rng.random() < 0.8:
+                logits[b, i, full.tokens[b, kids[rng.integers(len(kids))]]] += 20
+    acc = reference.accept_greedy(full, logits, depth)
+    tiers = tuple(range(2, budget + 2))
+    got = widths.realised_accepts(torch.from_numpy(acc.accepted), tiers)
+    for j, w in enumerate(tiers):
+        own = reference.accept_greedy(reference.cut_trees(full, w), logits[:, :w], depth)
+        assert np.array_equal(got[:, j].numpy(), own.accept_lens), w
+
+
+def test_parse_widths():
+    assert widths.parse_widths(None) == widths.DEFAULT_WIDTHS == (16, 32, 48, 64)
+    assert widths.parse_widths(" 48,16 ") == (16, 48)
+    for bad, words in (("16,x", "integers"), ("1,16", "outside"), ("16,16", "repeats"),
+                       (",".join(str(w) for w in range(2, 12)), "tiers")):
+        with pytest.raises(ValueError, match=words) as err:
+            widths.parse_widths(bad)
+        assert widths.WIDTHS_ENV in str(err.value)
+
+
+def test_best_width_takes_the_best_rate_and_the_smaller_on_ties():
+    assert widths.best_width({16: 4.0, 32: 6.0}, {16: 1.0, 32: 1.2}) == 32
+    assert widths.best_width({16: 4.0, 32: 8.0}, {16: 1.0, 32: 2.0}) == 16
+    assert widths.best_width({16: 4.0, 32: 9.0}, {32: 2.0}) == 32  # 16 has no time yet
+    with pytest.raises(ValueError):
+        widths.best_width({16: 1.0}, {16: 0.0})
+
+
+@pytest.mark.parametrize("flag, env, width, written", [
+    (None, None, 64, "16,32,48,64"), (None, "8,24", 24, "8,24"), (65, None, 65, "65"), (32, "16,32", 32, "16,32")])
+def test_resolve_widths(monkeypatch, flag, env, width, written):
+    if env is None:
+        monkeypatch.delenv(widths.WIDTHS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(widths.WIDTHS_ENV, env)
+    assert spec.resolve_widths(flag) == width
+    import os
+
+    assert os.environ[widths.WIDTHS_ENV] == written
+    assert spec.resolve_widths(width) == width  # resolving again (another process) agrees
+
+
+def test_resolve_widths_refuses_a_flag_that_disagrees_with_the_tiers(monkeypatch):
+    monkeypatch.setenv(widths.WIDTHS_ENV, "16,32")
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens 65 pins one verify width"):
+        spec.resolve_widths(65)
+    monkeypatch.setenv("SGLANG_KDTREE_WIDTH_POLICY", "fastest")
+    with pytest.raises(ValueError, match="SGLANG_KDTREE_WIDTH_POLICY='fastest'"):
+        spec.resolve_widths(None)
+
+
+def test_geometry_shapes():
+    g = Geometry(budget=63, block_size=16, vocab_size=100, widths=(16, 32, 64))
+    assert g.tiers == (16, 32, 64) and g.verify_width == 64
+    s = g.shape(16)
+    assert (s.budget, s.width, s.k, s.depths, s.tiers, s.is_cut) == (63, 16, 63, 15, (16, 32, 64), True)
+    assert Geometry(budget=4, block_size=8, vocab_size=3).shape().k == 3
+    with pytest.raises(ValueError, match="include"):
+        Geometry(budget=63, block_size=16, widths=(16, 32))
+    with pytest.raises(ValueError, match="verify width 65"):
+        g.shape(65)
+
+
+# -- the width choice -----------------------------------------------------------------------------------------
+
+
+def _chain_round(rng, bs, depth, q, p):
+    """A chain drafter claiming per-depth acceptance q; the target accepts each next depth with probability p."""
+    scores = np.zeros((bs, depth + 1))
+    scores[:, 1:] = np.arange(1, depth + 1) * math.log(q)
+    expected = widths.expected_accepts(torch.from_numpy(scores), torch.full((bs,), depth), (4, 8, depth + 1))
+    accepted = np.full((bs, depth + 1), -1)
+    for b in range(bs):
+        k = 0
+        while k < depth and rng.random() < p:
+            k += 1
+        accepted[b, : k + 1] = np.arange(k + 1)
+    return expected, torch.from_numpy(accepted)
+
+
+@pytest.mark.parametrize("q, p", [(0.9, 0.6), (0.5, 0.8)])  # over- and under-confident
+def test_calibration_converges_to_the_true_ratio(q, p):
+    depth, tiers = 15, (4, 8, 16)
+    chooser = WidthChooser(tiers, policy="cycle")
+    rng = np.random.default_rng(0)
+    for r in range(1500):
+        expected, accepted = _chain_round(rng, 8, depth, q, p)
+        chooser.record(tiers[r % 3], 8, 800, 0.0, expected, accepted)
+        chooser.settle(ended=1.0)
+    for w, ratio in zip(tiers, chooser.calibration()):
+        want = sum(p ** d for d in range(1, w)) / sum(q ** d for d in range(1, w))
+        assert abs(ratio - want) <= 0.1 * want, (w, ratio, want)
+    assert abs(ratio - 1.0) > 0.2  # the test distinguishes a miscalibrated drafter
+
+
+def test_the_choice_explores_every_tier_then_takes_the_best_rate():
+    tiers, depth = (4, 8, 16), 15
+    chooser = WidthChooser(tiers)
+    rng = np.random.default_rng(1)
+    seconds = {4: 1.0, 8: 1.1, 16: 2.5}  # the widest tier is slow: at p = 0.7, width 8 commits the most per second
+    chosen = []
+    for _ in range(60):
+        w = chooser.choose(8, 800)
+        chosen.append(w)
+        expected, accepted = _chain_round(rng, 8, depth, 0.7, 0.7)
+        chooser.record(w, 8, 800, 0.0, expected, accepted)
+        chooser.settle(ended=seconds[w])
+    assert chosen[:6] == [4, 4, 8, 8, 16, 16]  # each tier: a warm-up round, then a timed one
+    rate = {w: (1 + sum(0.7 ** d for d in range(1, w))) / seconds[w] for w in tiers}
+    assert max(rate, key=rate.get) == 8
+    assert set(chosen[10:]) == {8}
+    assert chooser.last["width"] == 8 and chooser.last["realised"] >= 1.0
+
+
+def test_one_tier_and_cycle():
+    assert {WidthChooser((65,)).choose(b, 10 * b) for b in (1, 7, 64)} == {65}
+    cyc = WidthChooser((16, 32, 48), policy="cycle")
+    got = []
+    for _ in range(5):
+        got.append(cyc.choose(4, 100))
+        cyc.record(got[-1], 4, 100, 0.0, None, None)
+    assert got == [16, 32, 48, 16, 32]
+    with pytest.raises(ValueError, match="SGLANG_KDTREE_WIDTH_POLICY"):
+        WidthChooser((16,), policy="fastest")
