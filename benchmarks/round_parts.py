@@ -29,6 +29,7 @@ import sys
 import torch
 
 from sglang_kdtree.bench_timing import capture_graph, cuda_time_us
+from sglang_kdtree.state import RoundShape
 
 
 def _graph_time(fn, iters: int = 30) -> float:
@@ -192,15 +193,16 @@ def _parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: in
     out: dict = {"bs": bs}
 
     # the server's call: input copies + one replay (the first two calls run eagerly and capture)
+    shape = RoundShape(budget, width, depth, vocab)
     for _ in range(2):
-        trees, verify, draft_logits = backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_sum)
-    out["tree_step graph"] = _time(lambda: backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens,
-                                                             seq_sum))
+        step = backend.tree_step(rows, weight, shape, roots, seq_lens, seq_sum)
+    trees, verify, draft_logits = step.trees, step.verify, step.draft_logits
+    out["tree_step graph"] = _time(lambda: backend.tree_step(rows, weight, shape, roots, seq_lens, seq_sum))
     # the captured graph alone (top-K -> tree -> verify inputs): the device time when the host runs ahead, as in
     # a server whose host queues the step while the GPU still runs the draft forward
     out["tree graph replay"] = _replay_time(backend._tree_graphs)
     out["tree_step host"], out["tree_step host after GEMM"] = _tree_step_host_split(
-        lambda mark: backend.tree_step(rows, weight, vocab, depth, budget, roots, seq_lens, seq_sum, mark=mark))
+        lambda mark: backend.tree_step(rows, weight, shape, roots, seq_lens, seq_sum, mark=mark))
     if backend._tree_graphs._graphs:
         out["replay host"] = _host_us(_last_graph(backend._tree_graphs).replay)
     if trace:

@@ -239,7 +239,7 @@ def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidde
     the round's end-of-round host read of the error flags."""
     import torch
 
-    from sglang_kdtree.pipeline import GpuBackend, bookkeeping_round
+    from sglang_kdtree.pipeline import GpuBackend, RoundShape, bookkeeping_round
 
     width = budget + 1
     backend = GpuBackend("cuda")
@@ -249,7 +249,8 @@ def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidde
     slots = torch.arange(bs * width, device="cuda", dtype=torch.int64).view(bs, width)
 
     def round_():
-        bookkeeping_round(backend, logits, budget, depth, roots, seq, seq_sum, target, slots, hidden)
+        bookkeeping_round(backend, logits, RoundShape(budget, width, depth, vocab), roots, seq, seq_sum, target, slots,
+                          hidden)
 
     round_()  # sizes the buffers and compiles, as the server's startup rehearsal does
     return round_

@@ -164,6 +164,16 @@ def validate_server_args(server_args) -> None:
     """
     sa = server_args
     width = resolve_widths(sa.speculative_num_draft_tokens)
+    tiers = os.environ[WIDTHS_ENV]
+    if "," in tiers:
+        # each extra width captures its own verify graph runner; these features keep one shared per-width state
+        for field, flag in (("enable_lora", "--enable-lora"), ("enable_two_batch_overlap", "--enable-two-batch-overlap"),
+                            ("enable_pdmux", "--enable-pdmux")):
+            if getattr(sa, field, False):
+                raise ValueError(
+                    f"KDTREE: {flag} is not supported with several verify widths ({WIDTHS_ENV}={tiers}: its state is "
+                    f"sized for one width); pin one width with --speculative-num-draft-tokens {width}, or drop {flag}"
+                )
     block = sa.speculative_dflash_block_size
     if block is not None and not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE:
         raise ValueError(

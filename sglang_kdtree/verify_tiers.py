@@ -9,6 +9,12 @@ as ``EAGLEWorkerV2.build_adaptive_runtime_state`` does), logs what each cost in 
 swaps them into the target's model runner around one verify forward (``EAGLEWorkerV2.apply_runtime_state``), with
 the width overridden for code that reads it from the runtime context. The largest tier is SGLang's own pair.
 
+Why a backend per width and not only graphs: fa3 caches the verify width at init and uses it for eager verifies
+too; triton fixes its graph metadata at capture. A graph runner only replays a batch of its own width
+(``DecodeCudaGraphRunner.can_run_graph`` compares ``captured_req_width``), so a mismatch runs eagerly, never
+wrong. On CPU no verify graph exists and torch_native reads the width per forward; the per-width backends there
+are the same cheap objects.
+
 * ``server_tiers(width)``: the tiers this process serves, from ``SGLANG_KDTREE_VERIFY_WIDTHS`` as
   ``spec.resolve_widths`` wrote it at startup.
 """
@@ -63,6 +69,7 @@ class VerifyTiers:
             self._states[width] = self._build(width)
 
     def _build(self, width: int) -> tuple:
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
         from sglang.srt.runtime_context import get_spec
 
         runner = self.runner
@@ -73,8 +80,8 @@ class VerifyTiers:
             with get_spec().override(speculative_num_draft_tokens=width):
                 backend = runner._get_attention_backend(init_new_workspace=True)
                 graphs = None
-                if saved[1] is not None:  # SGLang captured the largest width's verify graphs: capture this one's
-                    runner.attn_backend = backend
+                if isinstance(saved[1], DecodeCudaGraphRunner):  # SGLang captured the largest width's verify
+                    runner.attn_backend = backend  # graphs: capture this width's the same way
                     graphs = type(saved[1])(runner, attn_backend=backend, speculative_num_steps=1,
                                             speculative_num_draft_tokens=width)
         finally:

@@ -56,6 +56,8 @@ STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_CUDA_STARTUP_TIMEOUT", "420"))
 NUM_PROMPTS = 40
 NEW_TOKENS = 32
 VERIFY_WIDTH = 17  # --speculative-num-draft-tokens: 16 tree nodes + the root
+#: verify-width tiers (``--widths``): KDTREE servers then choose per round (no --speculative-num-draft-tokens)
+WIDTHS: str | None = None
 MAX_RUNNING = 48  # >= NUM_PROMPTS, so every prompt is in flight at once
 DECODE_GRAPH_BS = [1, 2, 4, 8, 16, 24, 32, 40, 48]
 PREFILL_GRAPH_TOKENS = [64, 256, 1024]
@@ -148,8 +150,9 @@ def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) 
         args += ["--disable-cuda-graph"]
     if kdtree:
         args += ["--speculative-algorithm", "kdtree",
-                 "--speculative-draft-model-path", str(variant.drafter),
-                 "--speculative-num-draft-tokens", str(VERIFY_WIDTH)]
+                 "--speculative-draft-model-path", str(variant.drafter)]
+        if WIDTHS is None:
+            args += ["--speculative-num-draft-tokens", str(VERIFY_WIDTH)]
     return args
 
 
@@ -250,6 +253,8 @@ def start_servers(plan: list[tuple[Variant, bool, bool]], log_dir: Path) -> dict
             round_log = log_dir / f"rounds-{name}.jsonl"
             round_log.unlink(missing_ok=True)
             env["KDTREE_ROUND_LOG"] = str(round_log)
+            if WIDTHS is not None:
+                env["SGLANG_KDTREE_VERIFY_WIDTHS"] = WIDTHS
         args = server_args(variant, free_port(), kdtree=kdtree, cuda_graph=cuda_graph)
         servers[name] = CudaServer(name, args, log_dir / f"{name}.log", env)
     return servers
@@ -380,6 +385,17 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
             # process totals of the bookkeeping's own CUDA-graph replays (tree step; greedy accept + commit)
             rec["tree_graph_replays"] = max((r.get("tree_graph_replays", 0) for r in records), default=0)
             rec["commit_graph_replays"] = max((r.get("commit_graph_replays", 0) for r in records), default=0)
+            # verify-width tiers: rounds per width, the target verifies per width that replayed a graph (process
+            # totals), and the mean predicted / realised accept length per width
+            widths = [r["width"] for r in records if r.get("width")]
+            rec["tiers"] = next((r["tiers"] for r in reversed(records) if r.get("tiers")), {})
+            rec["width_rounds"] = {}
+            for w in sorted({x["width"] for x in widths}):
+                mine = [x for x in widths if x["width"] == w]
+                rec["width_rounds"][str(w)] = {
+                    "rounds": len(mine), "predicted": round(sum(x["predicted"] for x in mine) / len(mine), 3),
+                    "predicted_raw": round(sum(x["predicted_raw"] for x in mine) / len(mine), 3),
+                    "realised": round(sum(x["realised"] for x in mine) / len(mine), 3)}
             summary["servers"][name] = rec
         for v in variants_:
             for g in modes:
@@ -417,6 +433,12 @@ def format_table(summary: dict) -> str:
                      f"{'yes' if rec.get('gpu_backend') else 'no':>4s} {rec.get('graph_rounds', 0):>5d} "
                      f"{rec.get('tree_graph_replays', 0):>6d} {rec.get('commit_graph_replays', 0):>5d} "
                      f"{rec.get('mla_launches', 0):>6d} {rec.get('marlin_routed', 0):>6d}  {err_line}")
+    for name, rec in summary["servers"].items():
+        if rec.get("width_rounds"):
+            lines.append(f"widths {name}: " + "; ".join(
+                f"{w}: {x['rounds']} rounds, pred {x['predicted']} (raw {x['predicted_raw']}) real {x['realised']}, "
+                f"graph {rec['tiers'].get(w, {}).get('graph_replays', '?')}/{rec['tiers'].get(w, {}).get('verifies', '?')}"
+                for w, x in rec["width_rounds"].items()))
     ops = sorted({op for rec in summary["servers"].values() for op in rec.get("standin_ops_called", [])})
     lines.append(f"sgl_kernel stand-in ops called (any server): {', '.join(ops) or '-'}")
     kernels = {name: rec["mla_kernels"] for name, rec in summary["servers"].items() if rec.get("mla_kernels")}
@@ -439,7 +461,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float32", help="comma list; the Kimi variants are always bf16")
     parser.add_argument("--tp", type=int, default=1, help="--tp-size of every server (variant names get -tpN)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--widths", default=None,
+                        help="verify-width tiers, e.g. 8,16,32: KDTREE servers choose per round (default: pinned 17)")
     args = parser.parse_args(argv)
+    global WIDTHS
+    WIDTHS = args.widths
     chosen = []
     for dtype in args.dtypes.split(","):
         table = variants(dtype)

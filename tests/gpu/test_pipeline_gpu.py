@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang_kdtree import pipeline
+from sglang_kdtree.state import RoundShape
 
 pytestmark = pytest.mark.gpu
 
@@ -191,9 +192,10 @@ def _tree_step_graph_check():
         # idle stream) in odd rounds, the host work first (a busy stream) in even ones
         torch.cuda.Stream.query = (lambda self: True) if round_no % 2 else (lambda self: False)
         calls = []
-        tg, vg, lg = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda),
-                                   seq_lens.to(cuda), total, mark=lambda: calls.append("mark"),
-                                   prep_mark=lambda: calls.append("prep"))
+        step = gpu.tree_step(rows.to(cuda), weight_g, RoundShape(budget, width, depths, vocab), roots.to(cuda),
+                             seq_lens.to(cuda), total, mark=lambda: calls.append("mark"),
+                             prep_mark=lambda: calls.append("prep"))
+        tg, vg, lg = step.trees, step.verify, step.draft_logits
         assert calls == ["prep", "mark"], calls  # once each: the round log's tree_prep / draft_head ends
         graphs = gpu._tree_graphs
         assert graphs.disabled_reason is None, graphs.disabled_reason
@@ -215,11 +217,41 @@ def _tree_step_graph_check():
     assert graphs.head_first == 3, graphs.head_first  # rounds 1, 3, 5
     torch.cuda.Stream.query = query
     assert int(gpu.tree_errors.item()) == 0
-    te, ve, _ = gpu.tree_step(rows.to(cuda), weight_g, vocab, depths, budget, roots.to(cuda), seq_lens.to(cuda),
-                              total, graph=False)
+    te = gpu.tree_step(rows.to(cuda), weight_g, RoundShape(budget, width, depths, vocab), roots.to(cuda),
+                       seq_lens.to(cuda), total, graph=False).trees
     for field in TREE_FIELDS:
         assert torch.equal(getattr(te, field).cpu(), getattr(tr, field)), field
     print("TREE-STEP-GRAPH-OK", graphs.replays, graphs.captures)
+
+
+@pytest.mark.parametrize("width", [2, 8, 16, 33])
+def test_tree_step_graph_cut_is_the_references_cut(width):
+    """A round verifying ``width`` rows of the budget-32 tree, replayed from its graph: the trees, verify inputs and
+    expected accepts equal the reference's cut (the budget-``width - 1`` tree) exactly / within float32."""
+    cuda = torch.device("cuda")
+    ref = pipeline.ReferenceBackend(torch.device("cpu"))
+    gpu = pipeline.select_backend(cuda)
+    budget, depths, vocab, hidden, bs = 32, 7, 3001, 64, 5
+    tiers = (2, 8, 16, 33)
+    gen = torch.Generator().manual_seed(width)
+    weight = (torch.randn((vocab, hidden), generator=gen) / 4).to(torch.bfloat16)
+    seq_lens = torch.randint(1, 60, (bs,), generator=gen)
+    total = int(seq_lens.sum())
+    gpu.reserve(bs, budget, depths, vocab, mask_bytes=pipeline.full_mask_numel(total, budget + 1, bs))
+    shape = RoundShape(budget, width, depths, vocab, tiers)
+    for _ in range(3):  # eager + capture, then replays
+        rows = torch.randn((bs * depths, hidden), generator=gen).to(torch.bfloat16)
+        roots = torch.randint(0, vocab, (bs,), generator=gen)
+        step = gpu.tree_step(rows.to(cuda), weight.to(cuda), shape, roots.to(cuda), seq_lens.to(cuda), total)
+        want = ref.tree_step(step.draft_logits.cpu(), torch.eye(vocab, dtype=torch.bfloat16), shape, roots, seq_lens,
+                             total)
+        for field in TREE_FIELDS:
+            assert torch.equal(getattr(step.trees, field).cpu(), getattr(want.trees, field)), field
+        for field in VERIFY_FIELDS:
+            assert torch.equal(getattr(step.verify, field).cpu().to(getattr(want.verify, field).dtype),
+                               getattr(want.verify, field)), field
+        torch.testing.assert_close(step.expected.cpu(), want.expected, rtol=1e-5, atol=1e-5)
+    assert gpu._tree_graphs.replays >= 2 and gpu._tree_graphs.disabled_reason is None
 
 
 def _mla_pool(rows: int, layers: int, gen):

@@ -1,0 +1,67 @@
+"""Verify-width tiers on real KDTREE CPU servers: the width chosen per round (``width_choice``) and the width
+forced to change between rounds of the same requests both leave greedy outputs identical to the plain server.
+
+Its own module so that the module-wide KDTREE server of ``test_server_kdtree.py`` has stopped before these start
+(two servers up at once on the 2-core CI machine). The tiers are small (4 / 8 / 17 rows) to keep CPU rounds short.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import start_server
+from test_server_kdtree import PROMPTS, _concurrent, _greedy
+
+pytestmark = pytest.mark.slow
+
+TIERS = "4,8,17"
+
+
+def _serve(plain_server, tiny_models, server_logs, policy: str):
+    """Greedy outputs of the plain server and of a KDTREE server choosing among ``TIERS`` with ``policy``, and the
+    KDTREE server's round log."""
+    name = plain_server.model_name
+    payloads = [_greedy(p) for p in PROMPTS]
+    plain = _concurrent(plain_server, payloads)
+    log = server_logs / f"rounds-widths-{policy}-{name}.jsonl"
+    log.unlink(missing_ok=True)
+    extra = ["--speculative-algorithm", "kdtree", "--speculative-draft-model-path", str(tiny_models / f"{name}-dflash")]
+    server = start_server(tiny_models / name, server_logs, extra=extra, name=f"kdtree-widths-{policy}-{name}",
+                          env={"SGLANG_KDTREE_VERIFY_WIDTHS": TIERS, "SGLANG_KDTREE_WIDTH_POLICY": policy,
+                               "KDTREE_ROUND_LOG": str(log)})
+    try:
+        server.wait_ready()
+        spec = _concurrent(server, payloads)
+    finally:
+        server.stop()
+    rounds = [json.loads(line) for line in log.read_text().splitlines()]
+    return plain, spec, rounds
+
+
+def test_widths_forced_to_change_every_round_stay_exact(plain_server, tiny_models, server_logs):
+    """``cycle``: consecutive rounds of the same running requests verify 4, 8, 17, 4, ... rows."""
+    plain, spec, rounds = _serve(plain_server, tiny_models, server_logs, "cycle")
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    widths = [r["width"]["width"] for r in rounds]
+    assert set(widths) == {4, 8, 17}
+    assert all(a != b for a, b in zip(widths, widths[1:]))  # the width changed between every two rounds
+    for r in rounds:  # a cut tree has at most width - 1 nodes; the realised accept length fits the cut
+        assert max(r["num_nodes"]) <= r["width"]["width"] - 1
+        assert 1 <= r["width"]["realised"] <= r["width"]["width"]
+    tiers = rounds[-1]["tiers"]
+    assert sum(t["verifies"] for t in tiers.values()) == len(rounds)
+
+
+@pytest.mark.parametrize("plain_server", ["llama"], indirect=True)
+def test_automatic_width_is_exact_and_reports_its_predictions(plain_server, tiny_models, server_logs):
+    """``auto``: the choice explores every tier, then picks; outputs stay exact and every round logs the width,
+    the predicted and the realised accept length."""
+    plain, spec, rounds = _serve(plain_server, tiny_models, server_logs, "auto")
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    widths = [r["width"]["width"] for r in rounds]
+    assert len(set(widths)) >= 2
+    for r in rounds:
+        w = r["width"]
+        assert w["predicted"] >= 1.0 and w["predicted_raw"] >= 1.0 and w["round_ms"] > 0
