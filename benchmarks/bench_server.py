@@ -6,10 +6,14 @@ All servers start at once on the same GPU (``tests/e2e/cuda_servers.py``: SGLang
 CUDA-graph runners and Triton attention are real; the ``sgl_kernel`` binary is the test-only stand-in), with
 CUDA graphs on and the same drafter for DFLASH and KDTREE:
 
-* ``plain``: autoregressive;
-* ``dflash``: ``--speculative-algorithm DFLASH`` (one chain of the drafter's block per round);
+* ``plain``: autoregressive, at SGLang's defaults (overlap scheduling on; ``--baselines-no-overlap`` turns it off);
+* ``dflash``: ``--speculative-algorithm DFLASH`` (one chain of the drafter's block per round), at SGLang's
+  defaults too (overlap on, as its users run it);
 * ``kdtree``: ``--speculative-algorithm kdtree`` with ``--speculative-num-draft-tokens budget+1``, no round
-  log (its tokens/s);
+  log (its tokens/s); ``kdtree-B`` (e.g. ``kdtree-15``): the same at budget B (verify width B + 1);
+* ``kdtree-auto``: no ``--speculative-num-draft-tokens``: the verify width chosen per round among ``--widths``
+  (``sglang_kdtree.width_choice``); ``kdtree-auto-log``: the same with the round log, which gives the widths
+  chosen and the predicted vs realised accept lengths per width (``widths`` in the JSON);
 * ``kdtree-nomla``: KDTREE with ``SGLANG_KDTREE_MLA=off`` (SGLang's MLA verify attention instead of the fused
   kernel); it and ``kdtree-log`` dump their first rounds' verify logits (``KDTREE_DUMP_VERIFY``), compared
   after the run (``compare_dumps``). Two servers: their trees and MoE reductions may differ, so a row whose
@@ -74,25 +78,51 @@ def _geometry(variant) -> tuple[int, int]:
     return int(block) - 1, int(target["vocab_size"])
 
 
-def _args_for(kind: str, variant, port: int, budget: int) -> list[str]:
+def _kind_budget(kind: str, budget: int) -> int | None:
+    """The node budget a KDTREE kind pins (``kdtree-15`` -> 15; other KDTREE kinds: ``budget``), None for
+    ``kdtree-auto*`` (the width chosen per round)."""
+    tail = kind.split("-", 1)[1] if "-" in kind else ""
+    if tail.startswith("auto"):
+        return None
+    return int(tail) if tail.isdigit() else budget
+
+
+def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: bool = True) -> list[str]:
     args = cuda_servers.server_args(variant, port, kdtree=kind.startswith("kdtree"), cuda_graph=True)
+    i = args.index("--speculative-num-draft-tokens") if "--speculative-num-draft-tokens" in args else None
     if kind.startswith("kdtree"):
-        i = args.index("--speculative-num-draft-tokens")
-        args[i + 1] = str(budget + 1)
-    elif kind == "dflash":
-        args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]
+        pinned = _kind_budget(kind, budget)
+        if pinned is None and i is not None:
+            del args[i: i + 2]
+        elif pinned is not None:
+            if i is None:
+                args += ["--speculative-num-draft-tokens", str(pinned + 1)]
+            else:
+                args[i + 1] = str(pinned + 1)
+    else:
+        if kind == "dflash":
+            args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]
+        if baselines_overlap:  # SGLang's default, as users run plain and DFLASH
+            args.remove("--disable-overlap-schedule")
     if kind == "kdtree-check":  # SGLANG_KDTREE_MLA=check compares eager calls only (patches/mla_tree_verify.py)
         args.append("--disable-cuda-graph")
     return args
 
 
-def start(variant, kinds, budget: int, out: Path) -> dict:
+def start(variant, kinds, budget: int, out: Path, widths: str | None = None, baselines_overlap: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     servers = {}
     for kind in kinds:
         env = dict(variant.env)
         round_log = None
-        if kind == "kdtree-log":
+        if kind.startswith("kdtree-auto"):
+            if widths:
+                env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
+            if kind == "kdtree-auto-log":
+                round_log = out / "rounds-kdtree-auto.jsonl"
+                round_log.unlink(missing_ok=True)
+                env["KDTREE_ROUND_LOG"] = str(round_log)
+        elif kind == "kdtree-log":
             round_log = out / "rounds-kdtree.jsonl"
             round_log.unlink(missing_ok=True)
             env["KDTREE_ROUND_LOG"] = str(round_log)
@@ -105,8 +135,8 @@ def start(variant, kinds, budget: int, out: Path) -> dict:
         elif kind == "kdtree-nomla":  # SGLang's MLA verify path: A/B of the verify logits and of tokens/s
             env["SGLANG_KDTREE_MLA"] = "off"
             env["KDTREE_DUMP_VERIFY"] = str(out / "dump-sglang")
-        server = cuda_servers.CudaServer(kind, _args_for(kind, variant, cuda_servers.free_port(), budget),
-                                         out / f"{kind}.log", env)
+        server = cuda_servers.CudaServer(kind, _args_for(kind, variant, cuda_servers.free_port(), budget,
+                                                         baselines_overlap), out / f"{kind}.log", env)
         server.round_log = round_log
         servers[kind] = server
     return servers
@@ -172,6 +202,12 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
                         sum(s["ms"].get(n, 0.0) for n in OWN_STEPS) for s in with_steps)
                     split["sglang_side"] = statistics.median(
                         sum(s["ms"].get(n, 0.0) for n in SGLANG_STEPS) for s in with_steps)
+                widths = [r["width"] for r in rounds if r.get("width")]
+                if widths:  # the width choice: rounds per width, mean predicted / realised accept length
+                    row["widths"] = {str(w): {"rounds": len(m), "predicted": statistics.fmean(x["predicted"] for x in m),
+                                              "realised": statistics.fmean(x["realised"] for x in m)}
+                                     for w in sorted({x["width"] for x in widths})
+                                     for m in [[x for x in widths if x["width"] == w]]}
                 row.update(split_ms=split, rounds=len(rounds),
                            graph_rounds=sum(bool(r.get("graph")) for r in rounds),
                            mla_launches=rounds[-1].get("mla_launches"),
@@ -278,6 +314,12 @@ def format_table(table: dict, depths: int, vocab: int) -> str:
             floor = f"{bookkeeping_floor_ms(int(bs), depths, vocab):.4f}" if s else ""
             lines.append(f"| {bs} | {kind} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
                          f"{r['accept_len']:.2f} | " + " | ".join(cells) + f" | {floor} |")
+    for bs, rows in table.items():
+        for kind, r in rows.items():
+            if r.get("widths"):
+                lines.append(f"widths chosen, bs {bs}, {kind}: " + "; ".join(
+                    f"{w}: {x['rounds']} rounds, accept predicted {x['predicted']:.2f} realised {x['realised']:.2f}"
+                    for w, x in r["widths"].items()))
     steps = [(bs, kind, r["steps_ms"]) for bs, rows in table.items() for kind, r in rows.items() if "steps_ms" in r]
     if steps:
         names = list(dict.fromkeys(n for _, _, st in steps for n in st["ms"]))
@@ -301,10 +343,13 @@ def main(argv=None) -> int:
                     help="servers to run (default plain dflash kdtree kdtree-log kdtree-nomla; kdtree-nomla = "
                          "SGLANG_KDTREE_MLA=off, for the A/B of tokens/s and verify logits; kdtree-check = "
                          "SGLANG_KDTREE_MLA=check, both MLA paths on the same calls)")
+    ap.add_argument("--widths", default=None, help="kdtree-auto*: SGLANG_KDTREE_VERIFY_WIDTHS (default: the plugin's)")
+    ap.add_argument("--baselines-no-overlap", action="store_true",
+                    help="plain and DFLASH with --disable-overlap-schedule (default: SGLang's default, overlap on)")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]
-    servers = start(variant, args.kinds, args.budget, args.out)
+    servers = start(variant, args.kinds, args.budget, args.out, args.widths, not args.baselines_no_overlap)
     try:
         failed = cuda_servers.wait_all(servers)
         for name, err in failed.items():
@@ -316,8 +361,9 @@ def main(argv=None) -> int:
             server.stop()
     gc_frozen = {name: server.gc_frozen for name, server in servers.items()}
     (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
-                                                     "new_tokens": args.new_tokens, "gc_frozen": gc_frozen,
-                                                     "table": table}, indent=1))
+                                                     "widths": args.widths, "new_tokens": args.new_tokens,
+                                                     "baselines_overlap": not args.baselines_no_overlap,
+                                                     "gc_frozen": gc_frozen, "table": table}, indent=1))
     depths, vocab = _geometry(variant)
     print(format_table(table, depths, vocab))
     unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)

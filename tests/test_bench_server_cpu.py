@@ -39,6 +39,28 @@ def test_each_kind_gets_its_own_algorithm_and_the_same_drafter(tmp_path):
     assert "--speculative-algorithm" not in plain and "--disable-cuda-graph" not in plain
 
 
+def test_baselines_run_at_sglang_defaults_and_kdtree_kinds_pin_or_choose_the_width(tmp_path, monkeypatch):
+    bench = _load()
+    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
+                                    tp=1)
+    for kind in ("plain", "dflash"):  # overlap scheduling on, as SGLang's users run them
+        assert "--disable-overlap-schedule" not in bench._args_for(kind, variant, 1, budget=64)
+        assert "--disable-overlap-schedule" in bench._args_for(kind, variant, 1, budget=64, baselines_overlap=False)
+    for kind, width in (("kdtree-15", "16"), ("kdtree-63", "64"), ("kdtree-log", "65")):
+        args = bench._args_for(kind, variant, 1, budget=64)
+        assert args[args.index("--speculative-num-draft-tokens") + 1] == width
+        assert "--disable-overlap-schedule" in args  # KDTREE keeps it until it supports overlap
+    auto = bench._args_for("kdtree-auto", variant, 1, budget=64)
+    assert "--speculative-num-draft-tokens" not in auto and auto[auto.index("--speculative-algorithm") + 1] == "kdtree"
+    started = []
+    monkeypatch.setattr(bench.cuda_servers, "CudaServer",
+                        lambda name, args, log, env: started.append((name, args, env)) or types.SimpleNamespace())
+    servers = bench.start(variant, ["kdtree-auto-log"], 64, tmp_path / "out", widths="16,32")
+    assert servers["kdtree-auto-log"].round_log.name == "rounds-kdtree-auto.jsonl"
+    (name, args, env), = started
+    assert env["SGLANG_KDTREE_VERIFY_WIDTHS"] == "16,32" and env["KDTREE_ROUND_LOG"].endswith("kdtree-auto.jsonl")
+
+
 def test_round_split_uses_only_rounds_of_the_batch_size(tmp_path):
     bench = _load()
     log = tmp_path / "rounds.jsonl"
