@@ -95,6 +95,15 @@ import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), log=print))"
 fi
 
+# JIT_EXPORT=1: build SGLang's Marlin / kdtree JIT modules for sm_90a in the background (about 6 minutes of nvcc)
+# and bring them back as $OUT/jit-sm90a.tar.gz (unpack into .jitcache/sm90a: benchmarks/device_carry.py packs it)
+if [ -n "${JIT_EXPORT:-}" ]; then
+  ( step jit_export 560 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+      nice python3 tests/e2e/prebuild_jit.py --which plain,glue,kdtree --export /tmp/jit-sm90a \
+    && tar -czf "$OUT/jit-sm90a.tar.gz" -C /tmp/jit-sm90a . ) &
+  JIT_PID=$!
+fi
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
 bash benchmarks/commit_stamp.sh > "$LOGS/commit.txt"
 export KDTREE_SERVER_LOGS="$LOGS/servers"
@@ -183,6 +192,7 @@ fi
 
 [ -n "${BENCH_PID:-}" ] && wait "$BENCH_PID"
 [ -n "${UNIT_PID:-}" ] && wait "$UNIT_PID"
+[ -n "${JIT_PID:-}" ] && wait "$JIT_PID"
 unset CUDA_VISIBLE_DEVICES
 # BENCH_AFTER=1: the bench after the tests, alone on GPU 0 (when the tests need every GPU)
 [ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
@@ -215,7 +225,7 @@ for f in "$KDTREE_SERVER_LOGS"/*.log; do
 done
 [ -f "$LOGS/unit.log" ] && { echo "== unit"; grep -E "^(FAILED|ERROR)" "$LOGS/unit.log" | head; tail -1 "$LOGS/unit.log"; }
 for f in "$LOGS"/parts*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -5 "$f"; }; done
-[ -f "$LOGS/kimi_round.log" ] && { echo "== kimi_round"; grep -E "^\||moonshot|FAILED" "$LOGS/kimi_round.log" | tail -30; }
+[ -f "$LOGS/kimi_round.log" ] && { echo "== kimi_round"; grep -E "^\||moonshot|FAILED|check" "$LOGS/kimi_round.log" | tail -40; }
 [ -f "$LOGS/bench.log" ] && { echo "== bench"; grep -E "^\||verify logits|failed|per step" "$LOGS/bench.log" | head -60; }
 echo "== table"
 [ -f "$KDTREE_SERVER_LOGS/table.txt" ] && cat "$KDTREE_SERVER_LOGS/table.txt"
