@@ -250,6 +250,17 @@ def train(drafter: DFlashDrafter, target: tg.Llama, seqs: torch.Tensor, prompt_l
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def greedy_walk(leading: list[int]) -> list[int]:
+    """Per-round tau of greedy DFLASH along one sequence: ``leading[i]`` is the run of correct draft rows of
+    the block anchored at the i-th generated position; a round accepts that run plus the bonus token and the
+    next round is anchored ``tau`` positions on."""
+    taus, a = [], 0
+    while a < len(leading):
+        taus.append(1 + leading[a])
+        a += taus[-1]
+    return taus
+
+
 @torch.no_grad()
 def offline_acceptance(drafter, target, seqs: torch.Tensor, prompt_len: int, device, rows: int = 16,
                        chunk: int = 64) -> dict:
@@ -278,12 +289,7 @@ def offline_acceptance(drafter, target, seqs: torch.Tensor, prompt_len: int, dev
         correct_parts.append(torch.cat(per_chunk, dim=1))  # [rows, anchors, bs-1]
     correct = torch.cat(correct_parts)
     leading = correct.long().cumprod(dim=2).sum(dim=2)  # [N, anchors]
-    taus = []
-    for lead in leading:
-        a = 0
-        while a < lead.numel():
-            taus.append(1 + int(lead[a]))
-            a += taus[-1]
+    taus = [tau for lead in leading.tolist() for tau in greedy_walk(lead)]
     flat = correct.flatten(0, 1).float()
     return {"sequences": seqs.shape[0], "anchors": flat.shape[0], "rounds": len(taus),
             "accuracy_by_depth": [round(x, 4) for x in flat.mean(0).tolist()],
