@@ -75,7 +75,9 @@ class VerifyTiers:
         runner = self.runner
         device = getattr(runner, "device", "cpu")
         before, started = _memory_bytes(device), time.perf_counter()
-        saved = runner.attn_backend, getattr(runner, "decode_cuda_graph_runner", None), runner.init_new_workspace
+        # _get_attention_backend sets init_new_workspace for good: put it back with the other two
+        saved = (runner.attn_backend, getattr(runner, "decode_cuda_graph_runner", None),
+                 getattr(runner, "init_new_workspace", False))
         try:
             with get_spec().override(speculative_num_draft_tokens=width):
                 backend = runner._get_attention_backend(init_new_workspace=True)

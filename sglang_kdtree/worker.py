@@ -146,8 +146,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
         self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device)
-        # the target's attention backend and verify CUDA graphs for every tier below the largest
-        self.verify_tiers = VerifyTiers(self.target_worker.model_runner, self.geometry.tiers)
+        self.verify_tiers = None  # built once the target's own verify backend and graphs exist (init_cuda_graphs)
         # opt-in diagnostics (round_log) and test-only fault injection (round_faults), off unless set
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
@@ -164,10 +163,9 @@ class KDTreeWorker(DFlashWorkerV2):
 
             launches = pdl_status()
         logger.info("KDTREE worker: budget %d, verify widths %s (%s), draft block %d, %s backend, round graphs %s, "
-                    "dependent launches %s; %s", self.budget, ",".join(map(str, self.geometry.tiers)),
+                    "dependent launches %s", self.budget, ",".join(map(str, self.geometry.tiers)),
                     "pinned" if len(self.geometry.tiers) == 1 else f"chosen per round, policy {self.chooser.policy}",
-                    block_size, self.backend.name, "on" if self._round_graphs and gpu else "off", launches,
-                    self.verify_tiers.describe())
+                    block_size, self.backend.name, "on" if self._round_graphs and gpu else "off", launches)
 
     @staticmethod
     @contextmanager
@@ -184,6 +182,10 @@ class KDTreeWorker(DFlashWorkerV2):
     def init_cuda_graphs(self):
         with self._draft_geometry(self.block_size):
             super().init_cuda_graphs()
+        # SGLang's scheduler has built the target's attention backend and captured its verify graphs (at the
+        # largest width) by now: the smaller tiers get theirs, as EAGLE's adaptive states are built here
+        self.verify_tiers = VerifyTiers(self.target_worker.model_runner, self.geometry.tiers)
+        logger.info("KDTREE verify widths: %s", self.verify_tiers.describe())
 
     def prewarm_sampling(self):
         """Rehearse KDTREE's own round bookkeeping at startup (not DFLASH's chain sampling verify, which

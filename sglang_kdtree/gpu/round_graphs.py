@@ -19,6 +19,7 @@ that fails is logged once and turns that graph kind off for the process (the eag
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -92,12 +93,20 @@ class _Graphs:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outputs = body()
-            finally:
-                graph.capture_end()
+        # no cyclic garbage collection inside the capture: it may destroy an unreachable CUDA graph (or free a
+        # CuPy allocation), which CUDA refuses while a stream captures, and the capture would be invalidated
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    outputs = body()
+                finally:
+                    graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         current.wait_stream(self._stream)
         return graph, outputs
 
