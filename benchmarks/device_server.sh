@@ -78,6 +78,17 @@ elif [ "$JIT_SERVER" = .jitcache-server ] && [ -d .jitcache-server ]; then
   cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
 fi
 
+# JIT_EXPORT=1: build SGLang's JIT modules of JIT_WHICH (prebuild_jit.py --which; default repack,kdtree: what
+# SGLANG_KDTREE_MOE=marlin servers and kimi_round's Marlin piece load; one Marlin module is about 6 minutes of nvcc)
+# for sm_90a in the background, into the servers' JIT cache, and bring them back as $OUT/jit-sm90a.tar.gz (unpack
+# into .jitcache/sm90a: benchmarks/device_carry.py packs it)
+if [ -n "${JIT_EXPORT:-}" ]; then
+  ( step jit_export 560 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
+      python3 tests/e2e/prebuild_jit.py --which "${JIT_WHICH:-repack,kdtree}" --export /tmp/jit-sm90a \
+    && tar -czf "$OUT/jit-sm90a.tar.gz" -C /tmp/jit-sm90a . ) &
+  JIT_PID=$!
+fi
+
 # built here if missing (an ignored folder: it stays on a warm machine between calls)
 export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.tiny_models}
 step models 200 python3 -c "
@@ -93,15 +104,6 @@ if [ -n "${KIMI:-}" ]; then
   step kimi_models 240 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), log=print))"
-fi
-
-# JIT_EXPORT=1: build SGLang's Marlin / kdtree JIT modules for sm_90a in the background (about 6 minutes of nvcc)
-# and bring them back as $OUT/jit-sm90a.tar.gz (unpack into .jitcache/sm90a: benchmarks/device_carry.py packs it)
-if [ -n "${JIT_EXPORT:-}" ]; then
-  ( step jit_export 560 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-      nice python3 tests/e2e/prebuild_jit.py --which plain,glue,kdtree --export /tmp/jit-sm90a \
-    && tar -czf "$OUT/jit-sm90a.tar.gz" -C /tmp/jit-sm90a . ) &
-  JIT_PID=$!
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
