@@ -14,7 +14,9 @@
 # The call that ran the submitted code (benchmarks/RESULTS.md, "Session 3"):
 #   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
 #   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
-# Knobs: DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
+# Knobs: BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
+#   SGLANG_KDTREE_MOE=marlin), BENCH_ARGS (more bench_server.py options, e.g. "--widths 16,32,48,64"),
+#   DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KIMI=1 (build the Kimi-shaped target into
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
@@ -131,9 +133,10 @@ if [ "$KDTREE_CUDA_STARTUP_TIMEOUT" -lt 120 ]; then
 fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target
-  CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py --variant kimi \
-    --batches 1 8 32 --budget 64 --new-tokens 64 --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" \
-    ${BENCH_KINDS:+--kinds $BENCH_KINDS}
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py \
+    --variant "${BENCH_VARIANT:-kimi}" --batches 1 8 32 --budget 64 --new-tokens 64 \
+    --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" ${BENCH_KINDS:+--kinds $BENCH_KINDS} ${BENCH_ARGS:-}
 }
 run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_parts.py), and AB_COMMIT's beside it
   # (the stand-in on the path: round_parts builds an SGLang MLA pool, whose package imports sgl_kernel)

@@ -216,7 +216,10 @@ class AcceptCommitGraphs(_Graphs):
         slots_in.copy_(verify_slots)
         # the storages the steps carve their outputs from must not grow inside a capture: size them first
         backend.size_accept_commit(trees, depth, hidden, width)
-        key = (bs, trees.tokens.shape[1], depth, width, trees.tokens.data_ptr(), logits.data_ptr(),
+        # every tree field's address: a cut round's trees are copies whose fields need not move together
+        key = (bs, trees.tokens.shape[1], depth, width, *(t.data_ptr() for t in (trees.tokens, trees.depths,
+                                                                                 trees.parents, trees.num_nodes)),
+               logits.data_ptr(),
                tuple(logits.stride()), logits.dtype, hidden.data_ptr(), tuple(hidden.stride()), id(pool),
                backend.storage_addresses(), slots_in.data_ptr())
 
