@@ -9,11 +9,19 @@ continuation) and ``DIR/metadata.json`` (sizes, curves, seeds, interpreter, vers
 after every stage, so a run cut short still says how far it got), then prints a table.
 
 Presets (``FULL`` is the default, for the H200; ``TINY`` runs on a 2-core CPU in well under two minutes and is
-what the tests build). Expected H200 time for ``FULL``, from FLOP counts at a conservative ~100 TFLOP/s
-effective for these small matrices: target 600 steps x 32 k tokens (~1.8 TFLOP a step with the head; at
-~300 k tokens/s, about 1 min), continuations 16,384 x 448 tokens (448 cached decode steps per batch of 2048,
-~15 s), drafter 4,000 steps x 2,048 blocks (~1 TFLOP a step, ~25 ms: ~2 min), tokenizer and evaluation
-~1 min: about 5 minutes, 10 at half that speed. ``metadata.json`` records the measured tokens/s and blocks/s.
+what the tests build). Expected H200 time for ``FULL``, from FLOP counts at 50-150 TFLOP/s effective (these
+matrices are small: 320 wide):
+
+* target: 600 steps x 32 k tokens, ~1.7 TFLOP a step (6 x 8.2 M parameters x tokens, plus causal attention):
+  ~15-35 s, i.e. 0.5-1.3 M tokens/s;
+* continuations: 16,384 prompts x 448 greedy tokens in batches of 2,048 (448 cached decode steps a batch,
+  ~100 small kernels a step): ~10-20 s;
+* drafter: 4,000 steps x 2,048 blocks, ~1.4 TFLOP a step (the frozen target up to layer 4 on 16 k tokens
+  0.2, the drafter on 32 k block rows 0.45, masked attention over 512 + 1,024 keys 0.4, the head 0.25):
+  ~1.5-4 min;
+* tokenizer (CPU), held-out evaluation, start-up: ~1 min.
+
+About 3-6 minutes in all; ``metadata.json`` records the measured tokens/s and blocks/s of each run.
 """
 
 from __future__ import annotations
@@ -111,6 +119,20 @@ def heldout_prompts(stream: torch.Tensor, n: int, length: int) -> torch.Tensor:
     return stream[starts[:, None] + torch.arange(length)]
 
 
+def repeated_ngram_fraction(seqs: torch.Tensor, start: int, n: int = 8) -> float:
+    """Share of the generated positions (from ``start``) whose preceding n-gram already occurred earlier in the
+    same sequence: how much of the greedy output is a loop, which makes drafting easier than on real text."""
+    repeated = total = 0
+    for row in seqs.tolist():
+        seen = {tuple(row[i - n:i]) for i in range(n, start + 1)}
+        for i in range(start + 1, len(row) + 1):
+            gram = tuple(row[i - n:i])
+            repeated += gram in seen
+            total += 1
+            seen.add(gram)
+    return repeated / max(total, 1)
+
+
 class Build:
     """One build: the stages in order, ``metadata`` rewritten after each."""
 
@@ -190,7 +212,8 @@ class Build:
             "generated_tokens": c["prompts"] * c["new_tokens"], "seconds": round(seconds, 1),
             "tokens_per_s": round(c["prompts"] * c["new_tokens"] / max(seconds, 1e-9)),
             "distinct_continuations": len({tuple(r) for r in seqs[:, c["prompt_len"]:].tolist()}),
-            "heldout_prompts": held.shape[0]}
+            "heldout_prompts": held.shape[0],
+            "heldout_repeated_8gram_fraction": round(repeated_ngram_fraction(eval_seqs, c["prompt_len"]), 4)}
         return seqs, eval_seqs
 
     def train_drafter(self, target: tg.Llama, seqs, eval_seqs) -> None:
@@ -226,7 +249,8 @@ def table(m: dict) -> str:
                    f"(ppl {t['heldout_perplexity']}) at step {t['kept_step']}/{t['train_settings']['steps']}; "
                    f"{t['train_tokens_per_s']:,} tok/s"),
         ("continuations", f"{m['continuations']['prompts']} x {m['continuations']['new_tokens']} greedy tokens, "
-                          f"{m['continuations']['tokens_per_s']:,} tok/s"),
+                          f"{m['continuations']['tokens_per_s']:,} tok/s; held-out: "
+                          f"{m['continuations']['heldout_repeated_8gram_fraction']:.0%} of positions repeat an 8-gram"),
     ]
     if d:
         rows += [

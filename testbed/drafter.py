@@ -158,7 +158,7 @@ class DFlashDrafter(nn.Module):
 
 def target_features(target: tg.Llama, seqs: torch.Tensor, layer_ids) -> torch.Tensor:
     """``[B, T, F*H]``: the captured target layers, concatenated in ``layer_ids`` order (SGLang's order)."""
-    _, captured = target(seqs, capture=tuple(layer_ids))
+    _, captured = target(seqs, capture=tuple(layer_ids), head=False)
     return torch.cat(captured, dim=-1)
 
 

@@ -163,17 +163,22 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight
 
-    def forward(self, ids, capture=(), cache=None, start: int = 0, last_only: bool = False):
-        """Logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``) and the outputs of the layers in ``capture``
-        (HF ``hidden_states[i + 1]``: what SGLang's DFlash capture of target layer i returns)."""
+    def forward(self, ids, capture=(), cache=None, start: int = 0, last_only: bool = False, head: bool = True):
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``; None without ``head``, which also stops after
+        the deepest captured layer) and the outputs of the layers in ``capture`` (HF ``hidden_states[i + 1]``:
+        what SGLang's DFlash capture of target layer i returns)."""
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         cos, sin = rope_tables(positions, self.shape.head_dim, self.shape.rope_theta)
         x = self.model.embed_tokens(ids)
         captured = []
         for i, layer in enumerate(self.model.layers):
+            if not head and i > max(capture):
+                break
             x = layer(x, cos, sin, None if cache is None else cache[i], start)
             if i in capture:
                 captured.append(x)
+        if not head:
+            return None, captured
         if last_only:
             x = x[:, -1:]
         return F.linear(self.model.norm(x), self.head_weight), captured

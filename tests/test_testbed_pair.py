@@ -26,10 +26,18 @@ from testbed import target as tg  # noqa: E402
 from testbed import tokenizer as tk  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """On two shared cores, two OpenMP threads per process slow every small matmul several-fold."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def subprocess_env() -> dict:
     env = dict(os.environ)
-    # One intra-op thread: on two shared cores, two OpenMP threads per process slow every matmul tenfold.
-    env["OMP_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = "1"  # see _one_intra_op_thread
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
@@ -181,6 +189,13 @@ def test_greedy_walk_moves_tau_positions_a_round():
     assert dr.greedy_walk([2, 0, 0, 5, 0, 0, 0, 0, 0, 1]) == [3, 6, 2]
     assert dr.greedy_walk([0, 0]) == [1, 1]
     assert dr.greedy_walk([]) == []
+
+
+def test_repeated_ngram_fraction_counts_loops_in_the_generated_part():
+    from testbed.build_pair import repeated_ngram_fraction
+
+    assert repeated_ngram_fraction(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3]]), start=3, n=3) == 4 / 6
+    assert repeated_ngram_fraction(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), start=3, n=3) == 0.0
 
 
 def test_layer_ids_sglang_cannot_capture_are_refused():
