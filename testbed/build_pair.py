@@ -205,10 +205,11 @@ class Build:
         with (self.out / "heldout_prompts.jsonl").open("w") as f:
             for i, row in enumerate(eval_seqs.tolist()):
                 prompt, cont = row[: c["prompt_len"]], row[c["prompt_len"]:]
-                f.write(json.dumps({"index": i, "input_ids": prompt, "text": self.tok.decode(prompt),
-                                    "target_greedy_ids": cont}) + "\n")
+                text = self.tok.decode(prompt, skip_special_tokens=False)
+                f.write(json.dumps({"index": i, "input_ids": prompt, "text": text, "target_greedy_ids": cont}) + "\n")
         self.metadata["continuations"] = {
             **c, "source": "random windows of the training stream, then the target's greedy continuation",
+            "numerics": "bf16 autocast on CUDA, fp32 on the CPU; argmax in fp32, lower id on ties",
             "generated_tokens": c["prompts"] * c["new_tokens"], "seconds": round(seconds, 1),
             "tokens_per_s": round(c["prompts"] * c["new_tokens"] / max(seconds, 1e-9)),
             "distinct_continuations": len({tuple(r) for r in seqs[:, c["prompt_len"]:].tolist()}),

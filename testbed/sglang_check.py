@@ -113,7 +113,8 @@ class Pools:
             forward_mode=ForwardMode.EXTEND, batch_size=len(self.prefix), input_ids=input_ids,
             req_pool_indices=torch.arange(1, len(self.prefix) + 1), seq_lens=seq_lens,
             out_cache_loc=torch.cat(self.extend_slots), seq_lens_sum=int(seq_lens.sum()), seq_lens_cpu=seq_lens,
-            positions=positions, extend_prefix_lens=torch.tensor(self.prefix), extend_seq_lens=torch.tensor(self.extend),
+            positions=positions, extend_prefix_lens=torch.tensor(self.prefix),
+            extend_seq_lens=torch.tensor(self.extend),
             input_embeds=input_embeds)
 
 

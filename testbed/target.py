@@ -280,9 +280,10 @@ def train(model: Llama, train_stream: torch.Tensor, heldout_stream: torch.Tensor
     kept = min(curve, key=lambda c: c["heldout_loss"])
     tokens = cfg.steps * cfg.batch * cfg.seq_len
     return {"curve": curve, "kept_step": kept["step"], "heldout_loss": kept["heldout_loss"],
-            "heldout_perplexity": round(math.exp(kept["heldout_loss"]), 3), "heldout_eval_tokens": windows[:, 1:].numel(),
-            "train_tokens": tokens, "train_seconds": round(train_time, 1),
-            "train_tokens_per_s": round(tokens / max(train_time, 1e-9)), "seconds": round(time.perf_counter() - started, 1)}
+            "heldout_perplexity": round(math.exp(kept["heldout_loss"]), 3),
+            "heldout_eval_tokens": windows[:, 1:].numel(), "train_tokens": tokens,
+            "train_seconds": round(train_time, 1), "train_tokens_per_s": round(tokens / max(train_time, 1e-9)),
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 # ------------------------------------------------------------------------------------------------------
