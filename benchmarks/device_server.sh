@@ -14,7 +14,8 @@
 # The call that ran the submitted code (benchmarks/RESULTS.md, "Session 3"):
 #   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
 #   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
-# Knobs: BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
+# Knobs: JIT_SEED_WHICH (prebuild_jit.py --which for the seed; default plain,glue,kdtree: a module the seed lacks is
+#   compiled, minutes each; repack,kdtree for a seed made by JIT_EXPORT's default), BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
 #   SGLANG_KDTREE_MOE=marlin), BENCH_ARGS (more bench_server.py options, e.g. "--widths 16,32,48,64"),
 #   DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
 #   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
@@ -102,7 +103,7 @@ if [ -n "${KIMI:-}" ]; then
   # big to carry) and, if carried, the prebuilt Marlin JIT modules (.jitcache/sm90a, tests/e2e/prebuild_jit.py)
   export KDTREE_KIMI_MODELS=${KDTREE_KIMI_MODELS:-$PWD/.kimi_models}
   [ -d "$JIT_SEED" ] && step seed_jit 120 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-    python3 tests/e2e/prebuild_jit.py --seed "$JIT_SEED" --which plain,glue,kdtree --no-build
+    python3 tests/e2e/prebuild_jit.py --seed "$JIT_SEED" --which "${JIT_SEED_WHICH:-plain,glue,kdtree}" --no-build
   step kimi_models 240 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), log=print))"
