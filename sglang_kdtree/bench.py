@@ -161,8 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="untimed CPU rounds per configuration before the timed ones")
     p.add_argument("--cpu-only", action="store_true", help="skip the GPU table even where a GPU exists")
     p.add_argument("--kimi-round", action="store_true",
-                   help="instead: the measured Kimi K2.6 TP 8 decode-round model (benchmarks/kimi_round.py); the "
-                        "other options are then its own (--kimi-round --help)")
+                   help="instead: the measured Kimi K2.6 TP 8 decode-round model (benchmarks/kimi_round.py). Needs "
+                        "a CUDA GPU to time its pieces; without one it can only re-assemble a saved GPU run "
+                        "(--from-json). The other options are then its own (--kimi-round --help)")
     return p
 
 

@@ -3,7 +3,9 @@
 Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure followed by ``fix:``):
 
 1. the package: where ``sglang_kdtree`` is imported from, and that its ``patches`` and ``_kernels``
-   subpackages resolve there (a checkout and an installed wheel must look the same);
+   subpackages resolve there (a checkout and an installed wheel must look the same); which copy that is
+   (``doctor_install.py``): the installed one, a checkout on ``sys.path`` that shadows it, or a checkout whose
+   stale ``*.egg-info`` is the only ``kdtree`` entry point (a failure: SGLang's server would not load the plugin);
 2. SGLang's version against the exact pin of this package;
 3. the plugin: the ``kdtree`` entry point, ``SGLANG_PLUGINS``, SGLang's ``load_plugins()`` running
    ``register()`` without an error, and ``--speculative-algorithm kdtree`` resolving afterwards;
@@ -22,6 +24,9 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
 8. optional ``--launch-command "python -m sglang.launch_server ..."``: the server's arguments pass SGLang's own
    argument parser and KDTREE's startup checks (``doctor_launch.py``; what the server would refuse before it
    loads anything).
+
+The warnings SGLang and its libraries print while they import are kept out of the report (``--verbose`` lists
+them after it); an error SGLang logs still shows.
 """
 
 from __future__ import annotations
@@ -33,46 +38,15 @@ import pkgutil
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
+from sglang_kdtree.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
+                                          check_sglang_version, quiet_imports, sglang_pin)
 from sglang_kdtree.doctor_launch import check_launch_command
 
-#: The SGLang release this package is written against (also the exact pin in pyproject.toml).
-SUPPORTED_SGLANG = "0.5.23"
 #: NVRTC options of ``sglang_kdtree.gpu.runtime.load_module`` (the include path is added per call).
 NVRTC_OPTIONS = ("--std=c++17", "-fmad=false")
 DEFAULT_ARCH = "90"  # H200 / H100 (Hopper)
-
-OK, WARN, FAIL = "ok", "WARN", "FAIL"
-
-
-@dataclass
-class Report:
-    """Lines printed as they are found (a slow check shows where it is), and the tally for the exit code."""
-
-    verbose: bool = False
-    out: object = field(default_factory=lambda: sys.stdout)
-    counts: dict = field(default_factory=lambda: {OK: 0, WARN: 0, FAIL: 0})
-
-    def add(self, status: str, what: str, fix: str | None = None, details: str | None = None) -> None:
-        self.counts[status] += 1
-        print(f"{status:<5} {what}", file=self.out, flush=True)
-        if details and (self.verbose or status == FAIL):
-            for line in details.rstrip().splitlines():
-                print(f"        {line}", file=self.out)
-        if fix:
-            print(f"      fix: {fix}", file=self.out, flush=True)
-
-    def ok(self, what: str) -> None:
-        self.add(OK, what)
-
-    def warn(self, what: str, fix: str | None = None) -> None:
-        self.add(WARN, what, fix)
-
-    def fail(self, what: str, fix: str, details: str | None = None) -> None:
-        self.add(FAIL, what, fix, details)
 
 
 class _Capture(logging.Handler):
@@ -97,83 +71,6 @@ def _exc_line(exc_info) -> str:
     if not exc_info or exc_info[1] is None:
         return ""
     return _one_line(exc_info[1])
-
-
-def _sglang_pin() -> str:
-    """The exact SGLang version this installation requires (from its metadata, else ``SUPPORTED_SGLANG``)."""
-    try:
-        from importlib.metadata import requires
-
-        from packaging.requirements import Requirement
-
-        for line in requires("sglang-kdtree") or ():
-            req = Requirement(line)
-            if req.name == "sglang" and req.marker is None:
-                pins = [s.version for s in req.specifier if s.operator == "=="]
-                if pins:
-                    return pins[0]
-    except Exception:
-        pass
-    return SUPPORTED_SGLANG
-
-
-# --------------------------------------------------------------------------------------------------------
-# 1-2. package and SGLang version
-# --------------------------------------------------------------------------------------------------------
-
-
-def check_package(report: Report) -> bool:
-    import sglang_kdtree
-
-    pkg_dir = Path(sglang_kdtree.__file__).parent
-    where = str(pkg_dir)
-    if (pkg_dir.parent / "pyproject.toml").is_file():
-        where += " (a source checkout)"
-    ok = True
-    try:
-        from sglang_kdtree import patches
-
-        patches_dir = Path(patches.__file__).parent
-    except ImportError as exc:
-        report.fail(
-            f"sglang_kdtree.patches does not import from {pkg_dir} ({exc})",
-            "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
-            "symlink sglang_kdtree/patches -> ../patches (git checkout -- sglang_kdtree/patches)",
-        )
-        ok = False
-        patches_dir = None
-    from sglang_kdtree.gpu.runtime import kernels_dir
-
-    kdir = kernels_dir()
-    if not sorted(kdir.rglob("*.cu")):
-        report.fail(
-            f"no kernel sources (*.cu) in {kdir}",
-            "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
-            "symlink sglang_kdtree/_kernels -> ../kernels (git checkout -- sglang_kdtree/_kernels)",
-        )
-        ok = False
-    if ok:
-        report.ok(f"sglang_kdtree {sglang_kdtree.__version__} from {where}; patches {patches_dir}, kernels {kdir}")
-    return ok
-
-
-def check_sglang_version(report: Report) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    pin = _sglang_pin()
-    try:
-        found = version("sglang")
-    except PackageNotFoundError:
-        report.fail("sglang is not installed", f"pip install sglang=={pin}")
-        return False
-    if found != pin:
-        report.fail(
-            f"sglang {found} is installed; sglang-kdtree hooks SGLang internals and needs exactly {pin}",
-            f"pip install sglang=={pin}",
-        )
-        return False
-    report.ok(f"sglang {found} (required: =={pin})")
-    return True
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -251,7 +148,7 @@ def _fix_for(cause: str) -> str:
     if "sglang_kdtree.patches" in cause or "sglang_kdtree._kernels" in cause:
         return ("this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore "
                 "the symlinks sglang_kdtree/patches and sglang_kdtree/_kernels (git checkout -- sglang_kdtree)")
-    return (f"sglang-kdtree supports sglang=={_sglang_pin()} only: install it, or reinstall sglang-kdtree; "
+    return (f"sglang-kdtree supports sglang=={sglang_pin()} only: install it, or reinstall sglang-kdtree; "
             "--verbose shows the traceback")
 
 
@@ -288,7 +185,7 @@ def check_patch_targets(report: Report, loader_errors: list[logging.LogRecord], 
 
     from sglang_kdtree import patches
 
-    pin = _sglang_pin()
+    pin = sglang_pin()
     fix = (f"the installed SGLang is not the {pin} release these patches were written against: "
            f"pip install --force-reinstall sglang=={pin}, or upgrade sglang-kdtree to one that supports it")
     ok = True
@@ -456,15 +353,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report = Report(verbose=args.verbose)
     print(f"sglang-kdtree doctor ({sys.executable})", flush=True)
+    with quiet_imports() as noise:
+        _run_checks(report, args)
+    lines = noise.lines()
+    if lines and args.verbose:
+        print("import warnings (kept out of the report above):")
+        for line in lines:
+            print(f"        {line}")
+    elif lines:
+        print(f"({len(lines)} import warning{'s' * (len(lines) != 1)} from SGLang and its libraries not shown; "
+              "--verbose lists them)")
+    return _finish(report)
+
+
+def _run_checks(report: Report, args: argparse.Namespace) -> None:
     check_package(report)
+    check_install(report)
     sglang_ok = check_sglang_version(report)
     try:
         import sglang  # noqa: F401
     except Exception as exc:
         if sglang_ok:
             report.fail(f"sglang does not import ({type(exc).__name__}: {exc})",
-                        f"pip install --force-reinstall sglang=={_sglang_pin()}")
-        return _finish(report)
+                        f"pip install --force-reinstall sglang=={sglang_pin()}")
+        return
     gpu_reason = check_gpu(report, args.require_gpu)
     loader_errors = check_plugin(report)
     if loader_errors is not None:
@@ -477,7 +389,6 @@ def run(args: argparse.Namespace) -> int:
         check_drafter(report, args.speculative_draft_model_path, args.speculative_dflash_block_size, target_layers)
     if args.launch_command is not None:
         check_launch_command(report, args.launch_command)
-    return _finish(report)
 
 
 def _finish(report: Report) -> int:

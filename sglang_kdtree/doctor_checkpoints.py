@@ -1,17 +1,16 @@
 """``doctor`` check 7: the ``--model-path`` / ``--speculative-draft-model-path`` checkpoints.
 
 The paths exist, the target's architecture is one SGLang's DFlash drafter can serve under DDTree, and the
-drafter's block size is in the range DDTree supports. ``sglang_kdtree.doctor`` runs these and re-exports them.
+drafter's block size is in the range DDTree supports. ``sglang_kdtree.doctor`` runs these and re-exports them;
+this module imports nothing from it (the report and the SGLang pin come from ``doctor_install``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sglang_kdtree.doctor import Report
+from sglang_kdtree.doctor_install import Report, sglang_pin
 
 
 def _read_json(path: Path) -> dict:
@@ -63,9 +62,7 @@ def check_target(report: Report, model_path: str, trust_remote_code: bool) -> in
     try:
         model_cls, arch = ModelRegistry.resolve_model_cls(archs)
     except Exception as exc:
-        from sglang_kdtree.doctor import _sglang_pin
-
-        report.fail(f"target architecture {archs} is not one SGLang {_sglang_pin()} serves ({exc})",
+        report.fail(f"target architecture {archs} is not one SGLang {sglang_pin()} serves ({exc})",
                     "use a target model SGLang supports")
         return False
     reasons = []

@@ -2,22 +2,27 @@
 
 Doctor runs in a subprocess (it calls SGLang's ``load_plugins()``, which runs once per process); a failure is
 provoked there the way an SGLang upgrade would cause it: the patched symbol is deleted from the imported
-SGLang before doctor runs. The checkpoint checks and the refusals run in-process on config-only folders.
+SGLang before doctor runs. Which copy doctor checks is tested in-process on fake site folders and once for real:
+a venv that sees every package of this one except sglang-kdtree, run from a checkout with a stale egg-info.
+The checkpoint checks and the refusals run in-process on config-only folders.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 import sys
+import sysconfig
+import warnings
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_kdtree import doctor, plugin  # noqa: E402
+from sglang_kdtree import doctor, doctor_install, plugin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKED = "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode"
@@ -38,15 +43,31 @@ LAUNCH = ("python -m sglang.launch_server --model-path /m --speculative-algorith
           "--speculative-draft-model-path /d --attention-backend fa3 --page-size 1 --disable-overlap-schedule")
 
 
+#: SGLang's plugin loader, made to warn and log the way SGLang's imports do on a machine without a GPU
+NOISY_LOAD = (
+    "import logging, warnings, sglang.srt.plugins as p\n"
+    "_load = p.load_plugins\n"
+    "def load_plugins():\n"
+    "    warnings.warn('Only CUDA NOISE-WARNING support AWQ currently.', UserWarning)\n"
+    "    logging.getLogger('sglang.srt.noise').warning('NOISE-LOG Cannot detect CUDA architecture.')\n"
+    "    _load()\n"
+    "p.load_plugins = load_plugins\n"
+)
+
+
 def test_doctor_passes_on_this_installation():
-    result = run_doctor("", "--launch-command", LAUNCH)
+    result = run_doctor(NOISY_LOAD, "--launch-command", LAUNCH)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = result.stdout
     assert not fail_lines(out)
     assert out.rstrip().splitlines()[-1].startswith("status: OK")
-    for check in ("sglang 0.5.23", "plugin: entry point kdtree loaded", "hooks applied by SGLang's HookRegistry",
-                  "kernel compile:", "launch command: passes SGLang's argument parser and KDTREE's startup checks"):
+    for check in ("install: sglang-kdtree 0.1.0", "sglang 0.5.23", "plugin: entry point kdtree loaded",
+                  "hooks applied by SGLang's HookRegistry", "kernel compile:",
+                  "launch command: passes SGLang's argument parser and KDTREE's startup checks"):
         assert any(line.startswith("ok") and check in line for line in out.splitlines()), check
+    # SGLang's import warnings stay out of the report, and it says how many it kept out
+    assert "NOISE" not in out + result.stderr, out + result.stderr
+    assert "import warnings from SGLang and its libraries not shown" in out
 
 
 def test_doctor_fails_naming_the_fix_when_patch_targets_are_missing():
@@ -81,6 +102,141 @@ def test_doctor_fails_when_the_plugin_cannot_import_its_patches():
     assert any("load_plugins() could not run the kdtree plugin" in line for line in failures), result.stdout
     assert "git checkout -- sglang_kdtree" in result.stdout
     assert "status: OK" not in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# which copy doctor checks: installed, shadowed by a checkout, or only a stale egg-info
+# ---------------------------------------------------------------------------------------------------
+
+ENTRY_POINTS = "[sglang.srt.plugins]\nkdtree = sglang_kdtree.plugin:register\n"
+
+
+def fake_dist_info(site: Path, editable_checkout: Path | None = None) -> Path:
+    """An installed sglang-kdtree in ``site`` (a wheel's dist-info, or an editable one pointing at a checkout)."""
+    info = site / "sglang_kdtree-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-kdtree\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    if editable_checkout is not None:
+        url = editable_checkout.as_uri()
+        (info / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True}, "url": url}))
+    else:
+        (site / "sglang_kdtree").mkdir()
+    return info
+
+
+def fake_checkout(root: Path) -> Path:
+    """A checkout after ``pip install .`` and ``pip uninstall``: its package and the egg-info pip left there."""
+    (root / "sglang_kdtree").mkdir(parents=True)
+    egg = root / "sglang_kdtree.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: sglang-kdtree\nVersion: 0.1.0\n")
+    (egg / "entry_points.txt").write_text(ENTRY_POINTS)
+    return root
+
+
+def test_install_state_stale_egg_info_fails(tmp_path):
+    checkout, site = fake_checkout(tmp_path / "checkout"), tmp_path / "site"
+    site.mkdir()
+    report = quiet()
+    found = doctor_install.check_install(report, [str(checkout), str(site)], [str(site)], checkout / "sglang_kdtree")
+    assert found.state == doctor_install.STALE and found.metadata == checkout / "sglang_kdtree.egg-info"
+    assert report.counts == {doctor.OK: 0, doctor.WARN: 0, doctor.FAIL: 1}
+    text = report.out.getvalue()
+    assert f"install: sglang-kdtree is not installed in {sys.prefix}" in text
+    assert f"comes only from {checkout / 'sglang_kdtree.egg-info'}" in text
+    assert f"fix: {sys.executable} -m pip install {checkout} (or a wheel built from it)" in text
+
+
+def test_install_state_installed_passes_and_a_checkout_in_front_is_named(tmp_path):
+    checkout, site = fake_checkout(tmp_path / "checkout"), tmp_path / "site"
+    info = fake_dist_info(site)
+    report = quiet()
+    found = doctor_install.check_install(report, [str(site)], [str(site)], site / "sglang_kdtree")
+    assert (found.state, found.version, found.metadata, found.editable) == (doctor_install.INSTALLED, "0.1.0", info,
+                                                                             False)
+    assert report.counts[doctor.OK] == 1 and report.counts[doctor.FAIL] == 0
+    expected = f"install: sglang-kdtree 0.1.0, installed (metadata in {site}); doctor checks that copy"
+    assert expected in report.out.getvalue()
+
+    # from the checkout: its package shadows the installed one, which is what the server loads
+    report = quiet()
+    found = doctor_install.check_install(report, [str(checkout), str(site)], [str(site)], checkout / "sglang_kdtree")
+    assert found.state == doctor_install.SHADOWED and found.code == site / "sglang_kdtree"
+    assert report.counts == {doctor.OK: 0, doctor.WARN: 1, doctor.FAIL: 0}
+    assert (f"doctor checks {checkout / 'sglang_kdtree'}, a checkout on sys.path (the current directory), not the "
+            f"installed sglang-kdtree 0.1.0 in {site / 'sglang_kdtree'}") in report.out.getvalue()
+
+
+def test_install_state_editable_and_missing(tmp_path):
+    checkout, site = fake_checkout(tmp_path / "checkout"), tmp_path / "site"
+    fake_dist_info(site, editable_checkout=checkout)
+    report = quiet()
+    found = doctor_install.check_install(report, [str(checkout), str(site)], [str(site)], checkout / "sglang_kdtree")
+    assert (found.state, found.editable) == (doctor_install.INSTALLED, True)
+    assert f"an editable install of the checkout {checkout} (metadata in {site})" in report.out.getvalue()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    report = quiet()
+    found = doctor_install.check_install(report, [str(empty)], [str(empty)], checkout / "sglang_kdtree")
+    assert found.state == doctor_install.MISSING and report.out.getvalue() == ""  # check_plugin names it
+
+
+def test_server_sys_path_drops_the_current_directory(monkeypatch):
+    monkeypatch.setattr(sys, "path", ["", "/venv/site-packages", "/extra"])
+    assert doctor_install.server_sys_path() == ["/venv/site-packages", "/extra"]
+
+
+def test_quiet_imports_keeps_warnings_out_and_errors_visible(capfd):
+    capfd.readouterr()
+    with doctor_install.quiet_imports() as noise:
+        warnings.warn("Only CUDA support AWQ currently.", UserWarning)
+        logging.getLogger("sglang.srt.layers").warning("Cannot detect CUDA architecture.")
+        logging.getLogger("sglang.srt.layers").error("a real failure")
+    err = capfd.readouterr().err
+    assert "a real failure" in err
+    assert "AWQ" not in err and "Cannot detect" not in err
+    lines = noise.lines()
+    assert len(lines) == 2 and lines[0].startswith("UserWarning: Only CUDA support AWQ currently.")
+    assert lines[1] == "WARNING sglang.srt.layers: Cannot detect CUDA architecture."
+    assert logging.getLogger("sglang").propagate and not logging.getLogger("sglang").handlers
+
+
+def test_doctor_fails_from_a_checkout_after_pip_uninstall(tmp_path):
+    """The issue's case, for real: sglang-kdtree uninstalled, doctor run from a checkout holding the egg-info
+    ``pip install .`` left. This process sees the entry point (SGLang's loader, run here, loads the plugin), a
+    server started elsewhere would not. The venv sees every package of this one except sglang-kdtree."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    for entry in purelib.iterdir():
+        if "sglang_kdtree" not in entry.name:  # its dist-info and editable-install finder, i.e. pip uninstall
+            (packages / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "packages.pth").write_text(f"{packages}\n")
+    checkout = tmp_path / "checkout"
+    fake_checkout(checkout)
+    (checkout / "sglang_kdtree").rmdir()
+    for name in ("sglang_kdtree", "kernels", "patches", "pyproject.toml"):
+        (checkout / name).symlink_to(ROOT / name)
+    result = subprocess.run([str(python), "-m", "sglang_kdtree", "doctor"], cwd=checkout, capture_output=True,
+                            text=True, timeout=900)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr[-3000:]
+    assert fail_lines(out) == [
+        f"FAIL  install: sglang-kdtree is not installed in {venv}; the kdtree entry point seen here comes only from "
+        f"{checkout / 'sglang_kdtree.egg-info'}, stale metadata in the current directory (what `pip install .` "
+        "leaves in a checkout). SGLang's server, which finds plugins through installed entry points, will not load "
+        "the plugin"], out
+    assert "ok    plugin: entry point kdtree loaded by SGLang's load_plugins()" in out  # fooled without the check
+    assert out.rstrip().splitlines()[-1] == "status: FAILED (1 problem; each names its fix above)"
+    for noise in ("Warning:", "warnings.warn", "Cannot detect CUDA architecture"):
+        assert noise not in out + result.stderr, out + result.stderr
 
 
 # ---------------------------------------------------------------------------------------------------
