@@ -62,102 +62,26 @@ for src in "${sources[@]}"; do
     [[ -f $src ]] || kdtree_die "missing source file '$src'"
 done
 
-# launch.sh validates paths, TP against visible GPUs, budget, backend and extra flags: the same code the unit
-# runs at every start.
-if command_line=$(KDTREE_ENV_FILE="" "$here/launch.sh" --env-file "$env_src" --print 2>&1); then
-    check_ok "command line: $command_line"
+# launch.sh --print checks the env file (paths, TP against visible GPUs, budget, backend, extra flags: the code
+# the unit runs at every start) and then, with the service's Python, kdtree_service_checks (Python and SGLang
+# versions, the plugin resolves, the server's own flag checks). One implementation, so `launch.sh --print` run by
+# hand refuses what this preflight refuses. Its check lines come first, the command line last.
+command_line=""
+if launch_output=$(KDTREE_ENV_FILE="" "$here/launch.sh" --env-file "$env_src" --print 2>&1); then
+    command_line=${launch_output##*$'\n'}
+    launch_output=${launch_output%"$command_line"}
 else
-    check_fail "${command_line#launch.sh: error: }"
+    preflight_failed=1
 fi
-
-# Python, SGLang and the plugin, checked with the interpreter and environment the service will use.
-python_report=$(
-    kdtree_load_env_file "$env_src"
-    [[ -n ${KDTREE_PYTHON:-} ]] || exit 0
-    KDTREE_PREFLIGHT_COMMAND=${command_line:-} timeout 600 "$KDTREE_PYTHON" - 2>&1 <<'EOF' || echo "python-exit $?"
-import sys
-from importlib import metadata
-
-print("python", ".".join(map(str, sys.version_info[:3])))
-for dist in ("sglang", "sglang-kdtree"):
-    try:
-        print(dist, metadata.version(dist))
-    except metadata.PackageNotFoundError:
-        print(dist, "missing")
-pins = []
-try:
-    pins = [r.split(";")[0].replace(" ", "") for r in metadata.requires("sglang-kdtree") or []]
-except metadata.PackageNotFoundError:
-    pass
-print("sglang-pin", next((r.split("==", 1)[1] for r in pins if r.startswith("sglang==")), "none"))
-try:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    load_plugins()
-    print("kdtree resolves", type(SpeculativeAlgorithm.from_string("kdtree")).__name__)
-except Exception as exc:  # report any failure as a preflight finding, not a traceback
-    print("kdtree error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
-
-# The unit's command line through SGLang's own argument parser and KDTREE's startup checks (the ones the server
-# runs before loading anything; the doctor's --launch-command check): a refused flag fails here, not at the
-# restart of a loaded server.
-import os
-
-command = os.environ.get("KDTREE_PREFLIGHT_COMMAND", "")
-if "sglang.launch_server" in command:
-    try:
-        from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
-
-        problem = launch_args_problem(server_argv(command))
-        print("flags ok" if problem is None else "flags error " + problem.replace("\n", " "))
-    except Exception as exc:
-        print("flags error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
-else:
-    print("flags error no command line to check (launch.sh --print failed)")
-EOF
-) || true
-report_field() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' <<<"$python_report"; }
-py_version=$(report_field python)
-if [[ -z $py_version ]]; then
-    check_fail "could not run the service's Python (KDTREE_PYTHON): ${python_report:-no output}"
-else
-    IFS=. read -r py_major py_minor _ <<<"$py_version"
-    if ((py_major > 3 || (py_major == 3 && py_minor >= 11))); then
-        check_ok "Python $py_version"
-    else
-        check_fail "Python $py_version is too old; sglang-kdtree needs Python >= 3.11"
-    fi
-    sglang_version=$(report_field sglang)
-    kdtree_version=$(report_field sglang-kdtree)
-    pin=$(report_field sglang-pin)
-    if [[ $sglang_version == missing ]]; then
-        check_fail "SGLang is not installed in the environment of KDTREE_PYTHON"
-    elif [[ $kdtree_version == missing ]]; then
-        check_fail "sglang-kdtree is not installed in that environment (pip install sglang-kdtree)"
-    elif [[ $pin != none && $sglang_version != "$pin" ]]; then
-        check_fail "SGLang $sglang_version is installed but sglang-kdtree $kdtree_version needs sglang==$pin"
-    else
-        check_ok "SGLang $sglang_version, sglang-kdtree $kdtree_version"
-    fi
-    kdtree_line=$(report_field kdtree)
-    if [[ $kdtree_line == resolves* ]]; then
-        check_ok "--speculative-algorithm kdtree resolves after load_plugins()"
-    else
-        check_fail "--speculative-algorithm kdtree does not resolve after sglang.srt.plugins.load_plugins(): ${kdtree_line#error } (run: python -m sglang_kdtree doctor; check SGLANG_PLUGINS)"
-    fi
-    flags_line=$(report_field flags)
-    if [[ $flags_line == ok ]]; then
-        check_ok "the command line passes SGLang's argument parser and KDTREE's startup checks"
-    elif [[ -n $flags_line ]]; then
-        check_fail "the command line would not start: ${flags_line#error }"
-    else
-        check_fail "the command line was not checked (the Python check gave no result): $python_report"
-    fi
-    if exit_line=$(report_field python-exit) && [[ -n $exit_line ]]; then
-        check_fail "the Python check exited with status $exit_line: $python_report"
-    fi
-fi
+while IFS= read -r line; do
+    case $line in
+        "") ;;
+        "  ok   "*) printf '%s\n' "$line" ;;
+        "  FAIL "*) printf '%s\n' "$line" >&2 ;;
+        *) check_fail "${line#launch.sh: error: }" ;;
+    esac
+done <<<"$launch_output"
+[[ -z $command_line ]] || check_ok "command line: $command_line"
 
 # A drop-in that sets ExecStart= would keep running the old command under the new unit.
 dropin_dir=$prefix$KDTREE_UNIT_PATH.d

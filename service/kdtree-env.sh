@@ -2,7 +2,9 @@
 # Shared helpers for the sglang-k26-ddtree service scripts; sourced, never run.
 #
 # One parser for the environment file is used by launch.sh, install.sh and healthcheck.sh, so the command
-# that `launch.sh --print` shows is exactly the one the unit runs.
+# that `launch.sh --print` shows is exactly the one the unit runs; one set of checks with the service's Python
+# (kdtree_service_checks) is run by `launch.sh --print` and by install.sh's preflight, so both refuse the same
+# files.
 
 # Paths as seen by the running system. install.sh and rollback.sh prefix them with --root.
 # shellcheck disable=SC2034  # used by the scripts that source this file
@@ -121,4 +123,110 @@ kdtree_health_base_url() {
         *:*) host="[$host]" ;;
     esac
     printf 'http://%s:%s\n' "$host" "$port"
+}
+
+# The Python side of kdtree_service_checks, run by the service's interpreter: one "key value" line per finding.
+read -r -d '' _KDTREE_CHECKS_PY <<'EOF' || true
+import os
+import sys
+import warnings
+from importlib import metadata
+
+warnings.simplefilter("ignore")  # SGLang's import warnings are not findings; the lines below are the report
+print("python", ".".join(map(str, sys.version_info[:3])))
+for dist in ("sglang", "sglang-kdtree"):
+    try:
+        print(dist, metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        print(dist, "missing")
+pins = []
+try:
+    pins = [r.split(";")[0].replace(" ", "") for r in metadata.requires("sglang-kdtree") or []]
+except metadata.PackageNotFoundError:
+    pass
+print("sglang-pin", next((r.split("==", 1)[1] for r in pins if r.startswith("sglang==")), "none"))
+try:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    load_plugins()
+    print("kdtree resolves", type(SpeculativeAlgorithm.from_string("kdtree")).__name__)
+except Exception as exc:  # report any failure as a finding, not a traceback
+    print("kdtree error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+
+command = os.environ.get("KDTREE_PREFLIGHT_COMMAND", "")
+try:
+    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+
+    problem = launch_args_problem(server_argv(command))
+    print("flags ok" if problem is None else "flags error " + problem.replace("\n", " "))
+except Exception as exc:
+    print("flags error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+EOF
+
+# Helpers of kdtree_service_checks; they read its locals report and failed (bash scoping is dynamic).
+_kdtree_field() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' <<<"$report"; }
+_kdtree_ok() { printf '  ok   %s\n' "$*"; }
+_kdtree_fail() {
+    # One line per finding: a multi-line Python report is joined, so callers can read the lines as findings.
+    printf '  FAIL %s\n' "${*//$'\n'/ | }"
+    failed=1
+}
+
+# kdtree_service_checks PYTHON COMMAND: the checks that need the service's own Python, with the environment the
+# server gets (the caller has exported the env file):
+#   - Python is 3.11 or newer;
+#   - SGLang and sglang-kdtree are installed, SGLang at the version sglang-kdtree pins;
+#   - `--speculative-algorithm kdtree` resolves after SGLang's load_plugins();
+#   - COMMAND, the unit's command line, passes SGLang's argument parser and KDTREE's startup checks
+#     (sglang_kdtree.doctor_launch: what the server refuses before it loads anything).
+# Prints one "  ok   <what>" or "  FAIL <why>" line per check on stdout and returns 1 when any failed. It runs
+# from / as the unit does, so a checkout in the current directory (its sglang_kdtree/ or the *.egg-info that
+# `pip install .` leaves there) cannot stand in for an installed plugin. Takes about half a minute: it imports
+# SGLang and runs its plugin loader.
+kdtree_service_checks() {
+    local python=$1 command=$2 report failed=0 py_version py_major py_minor sglang_version kdtree_version pin line
+    [[ $python == /* ]] || python=$PWD/$python
+    report=$(cd / && KDTREE_PREFLIGHT_COMMAND=$command timeout 600 "$python" - 2>&1 <<<"$_KDTREE_CHECKS_PY" ||
+        echo "python-exit $?")
+    py_version=$(_kdtree_field python)
+    if [[ -z $py_version ]]; then
+        _kdtree_fail "could not run the service's Python (KDTREE_PYTHON '$python'): ${report:-no output}"
+        return 1
+    fi
+    IFS=. read -r py_major py_minor _ <<<"$py_version"
+    if ((py_major > 3 || (py_major == 3 && py_minor >= 11))); then
+        _kdtree_ok "Python $py_version"
+    else
+        _kdtree_fail "Python $py_version is too old; sglang-kdtree needs Python >= 3.11"
+    fi
+    sglang_version=$(_kdtree_field sglang)
+    kdtree_version=$(_kdtree_field sglang-kdtree)
+    pin=$(_kdtree_field sglang-pin)
+    if [[ $sglang_version == missing ]]; then
+        _kdtree_fail "SGLang is not installed in the environment of KDTREE_PYTHON '$python'"
+    elif [[ $kdtree_version == missing ]]; then
+        _kdtree_fail "sglang-kdtree is not installed in the environment of KDTREE_PYTHON '$python' (install it from a checkout or a wheel: step 1 of service/README.md)"
+    elif [[ $pin != none && $sglang_version != "$pin" ]]; then
+        _kdtree_fail "SGLang $sglang_version is installed but sglang-kdtree $kdtree_version needs sglang==$pin"
+    else
+        _kdtree_ok "SGLang $sglang_version, sglang-kdtree $kdtree_version"
+    fi
+    line=$(_kdtree_field kdtree)
+    if [[ $line == resolves* ]]; then
+        _kdtree_ok "--speculative-algorithm kdtree resolves after load_plugins()"
+    else
+        _kdtree_fail "--speculative-algorithm kdtree does not resolve after sglang.srt.plugins.load_plugins(): ${line#error } (run: $python -m sglang_kdtree doctor; check SGLANG_PLUGINS)"
+    fi
+    line=$(_kdtree_field flags)
+    if [[ $line == ok ]]; then
+        _kdtree_ok "the command line passes SGLang's argument parser and KDTREE's startup checks"
+    elif [[ -n $line ]]; then
+        _kdtree_fail "the command line would not start: ${line#error }"
+    else
+        _kdtree_fail "the command line was not checked (the Python check gave no result): $report"
+    fi
+    line=$(_kdtree_field python-exit)
+    [[ -z $line ]] || _kdtree_fail "the Python check exited with status $line: $report"
+    return "$failed"
 }

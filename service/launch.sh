@@ -3,7 +3,10 @@
 #
 # Usage: launch.sh [--env-file FILE] [--print]
 #   --env-file FILE  environment file to read (default: $KDTREE_ENV_FILE, else /etc/default/sglang-k26-ddtree)
-#   --print          validate and print the command line instead of running it
+#   --print          validate and print the command line instead of running it; this also runs the checks
+#                    of install.sh's preflight that need the service's Python (version, SGLang pin, the plugin
+#                    resolves, the server's own flag checks; about half a minute), so it refuses what an
+#                    install refuses. The check lines go to stderr, the command line to stdout.
 #
 # Every KEY=VALUE of the file is exported to the server (so CUDA_VISIBLE_DEVICES, HF_HUB_OFFLINE, SGLANG_*
 # can be set there); the KDTREE_* keys build the command line, see sglang-k26-ddtree.env.example.
@@ -14,7 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source-path=SCRIPTDIR source=kdtree-env.sh
 . "$here/kdtree-env.sh"
 
-usage() { sed -n '2,11s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 
 env_file=${KDTREE_ENV_FILE:-$KDTREE_ENV_PATH}
 print_only=0
@@ -39,7 +42,7 @@ require() {
     [[ -n ${!1:-} ]] || kdtree_die "$env_file: $1 is not set ($2)"
 }
 
-require KDTREE_PYTHON "the Python interpreter of the SGLang environment, e.g. /opt/sglang/venv/bin/python"
+require KDTREE_PYTHON "the Python interpreter of the SGLang environment, e.g. /opt/sglang-kdtree/venv/bin/python"
 require KDTREE_MODEL_PATH "the target model directory"
 require KDTREE_DRAFT_MODEL_PATH "the DFlash drafter directory"
 require KDTREE_TP_SIZE "tensor-parallel size, e.g. 8"
@@ -125,9 +128,15 @@ if ((print_only)); then
     if [[ -n ${KDTREE_API_KEY:-} ]]; then
         cmd[${#cmd[@]} - 1]="<KDTREE_API_KEY>"
     fi
-    printf '%q' "${cmd[0]}"
-    printf ' %q' "${cmd[@]:1}"
-    printf '\n'
+    shown=$(printf '%q' "${cmd[0]}" && printf ' %q' "${cmd[@]:1}")
+    # The same checks install.sh's preflight runs (it runs this script), so a file that --print accepts is one
+    # an install accepts. The API key is masked here too: the parser does not look at its value.
+    if ! checks=$(kdtree_service_checks "$python" "$shown"); then
+        printf '%s\n' "$checks" >&2
+        kdtree_die "the service's Python refuses this setup (the FAIL lines above)"
+    fi
+    printf '%s\n' "$checks" >&2
+    printf '%s\n' "$shown"
     exit 0
 fi
 
