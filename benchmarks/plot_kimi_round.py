@@ -72,19 +72,28 @@ def plot(cells: list[dict], out_png: str, plt) -> None:
     plt.close(fig)
 
 
+def pyplot(prog: str, where: str):
+    """matplotlib's pyplot on the Agg backend (no display needed), or None after saying on stderr that it is not
+    importable and where the figures are instead (the plot scripts' shared exit 2)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"{prog}: matplotlib is not importable ({exc}); install it where you plot (pip install matplotlib); "
+              f"{where}", file=sys.stderr)
+        return None
+    return plt
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/plot_kimi_round.py", description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="a kimi_round.py --json output")
     p.add_argument("png", help="the PNG to write")
     args = p.parse_args(argv)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        print(f"plot_kimi_round: matplotlib is not importable ({exc}); install it where you plot (pip install "
-              "matplotlib); the same figures are in kimi_round's summary table", file=sys.stderr)
+    plt = pyplot("plot_kimi_round", "the same figures are in kimi_round's summary table")
+    if plt is None:
         return 2
     try:
         with open(args.json) as f:

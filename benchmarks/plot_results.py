@@ -96,14 +96,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.bench and not args.kimi:
         p.error("give --bench, --kimi or both")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        print(f"plot_results: matplotlib is not importable ({exc}); install it where you plot "
-              "(pip install matplotlib); the figures themselves are in benchmarks/RESULTS.md", file=sys.stderr)
+    plt = plot_kimi_round.pyplot("plot_results", "the figures themselves are in benchmarks/RESULTS.md")
+    if plt is None:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
