@@ -3,9 +3,13 @@
 ``RoundBackend`` is implemented by ``reference_backend.ReferenceBackend`` (numpy on host copies: CPU serving,
 and the oracle) and ``gpu.backend.GpuBackend`` (the CUDA kernels); ``pipeline.select_backend`` picks one. Both
 take torch tensors on the worker's device and return the dataclasses below, on that device, with the same
-shapes and dtypes (``bs`` requests, ``N = B + 1`` verify rows, ``L`` draft depths, ``P`` committed lengths):
+shapes and dtypes (``bs`` requests, ``N`` verify rows: ``B + 1`` for the whole tree, the round's width for a cut
+one; ``L`` draft depths, ``P`` committed lengths):
 
-* ``Trees``: ``tokens``, ``depths``, ``parents`` ``[bs, N]`` int64; ``num_nodes`` ``[bs]`` int64.
+* ``Trees``: ``tokens``, ``depths``, ``parents`` ``[bs, N]`` int64; ``num_nodes`` ``[bs]`` int64; ``scores``
+  ``[bs, N]`` float64 path scores.
+* ``TreeStep``: steps 2-3 of a round (trees cut to the width, their verify inputs, expected accept lengths per
+  tier, draft logits).
 * ``VerifyInputs``: ``input_ids``, ``positions`` ``[bs*N]`` int64; ``full_mask`` ``[sum(P)*N + N*N*bs]`` bool
   (SGLang's FULL_MASK); ``ancestor_bits`` ``[bs, N, ceil(N/32)]`` int32 (uint32 bit rows);
   ``retrieve_index``, ``retrieve_next_token``, ``retrieve_next_sibling`` ``[bs, N]`` int64.
@@ -16,8 +20,12 @@ shapes and dtypes (``bs`` requests, ``N = B + 1`` verify rows, ``L`` draft depth
 * ``CommitPlan``: ``src_slots``, ``dst_slots``, ``hidden_rows`` ``[bs, L+1]`` int64 (-1 padded); ``accept_lens``
   ``[bs]`` int64; ``errors``: the backend's ``commit_errors`` flag (``int32 [1]``).
 
-A round commits at most ``min(N, L + 1)`` tokens per request (``state.Geometry.commit_width``): the columns of
-``accepted`` and ``committed`` past it are -1.
+A round commits at most ``min(N, L + 1)`` tokens per request: the columns of ``accepted`` and ``committed`` past
+it are -1.
+
+Each composition of steps is written once, over a ``state.RoundShape``: ``tree_verify`` (tree, cut, verify
+inputs, expected accepts), ``topk_tree_verify`` (top-K first), ``eager_tree_step`` (the drafter's head GEMM
+first; the GPU backend captures the same composition in a CUDA graph) and ``eager_accept_commit_greedy``.
 
 Faults: no backend raises on bad values in one request. ``AcceptResult.errors`` marks requests, and
 ``tree_errors`` / ``commit_errors`` (``int32 [1]``) collect the batch's draft and commit faults; the worker reads

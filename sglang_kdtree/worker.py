@@ -8,19 +8,23 @@ decode round (``KDTreeWorker._tree_round``, one method per step):
 2. **Top-K**: per-depth top-K + logsumexp of the target ``lm_head`` applied to draft rows ``1..L`` (``K = B``;
    under TP each rank ranks its vocabulary shard and only the candidates are all-gathered:
    ``pipeline.vocab_parallel_topk``).
-3. **Tree**: the exact best-first tree of ``B`` nodes (``B = --speculative-num-draft-tokens - 1``), and its
-   verify input: ``N = B + 1`` rows ``[root, nodes]``, positions ``P + depth``, SGLang's FULL_MASK (prefix +
-   ancestor-or-self) as ``custom_mask``, bit-packed ``ancestor_bits`` and ``retrieve_*`` links. On one rank
+3. **Tree**: the exact best-first tree of ``B`` nodes (``B + 1`` = the largest verify width,
+   ``--speculative-num-draft-tokens``), cut to this round's width ``N`` (``width_choice.WidthChooser``, from
+   earlier rounds; the first ``N - 1`` nodes are exactly the budget-``N - 1`` tree), and its verify input: ``N``
+   rows ``[root, nodes]``, positions ``P + depth``, SGLang's FULL_MASK (prefix + ancestor-or-self) as
+   ``custom_mask``, bit-packed ``ancestor_bits`` and ``retrieve_*`` links (``contract.tree_verify``). On one rank
    steps 2-3 are one backend call (``tree_step``).
 4. **Verify**: one TARGET_VERIFY forward of the N rows into KV slots ``req_to_token[req, P:P+N]``
-   (``verify_input.tree_verify_batch``).
+   (``verify_input.tree_verify_batch``), on the target's attention backend and verify graphs of width ``N``
+   (``verify_tiers.VerifyTiers``).
 5. **Accept**: the walk along the target's own argmax (T = 0) or per-node samples (T > 0).
 6. **Commit**: the accepted path's KV rows move to the slots of positions ``P..P+tau-1`` (a greedy batch:
    steps 5-6 are one backend call, ``accept_commit_greedy``).
 7. **Feed the drafter**: the target hidden states of the *accepted* rows (not the first tau) are written
    into the draft KV at those positions.
-8. **Result**: ``GenerationBatchResult`` with the V2 fields: ``next_token_ids`` of stride N whose first ``tau``
-   entries are the committed tokens, ``accept_lens = tau`` (bonus included), ``new_seq_lens = P + tau``.
+8. **Result**: ``GenerationBatchResult`` with the V2 fields: ``next_token_ids`` of stride ``B + 1`` (whatever the
+   round's width) whose first ``tau`` entries are the committed tokens, ``accept_lens = tau`` (bonus included),
+   ``new_seq_lens = P + tau``; the width choice's statistics of the round, read with the round's error flags.
 
 Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_kdtree.pipeline.select_backend``
 (reference on CPU, GPU kernels on CUDA); both follow ``sglang_kdtree.contract``. The round geometry (budget,
