@@ -65,12 +65,14 @@ class _Cell:
 class WidthChooser:
     """The per-round width choice of one worker (module docstring)."""
 
-    def __init__(self, tiers, policy: str = "auto", device="cpu"):
+    def __init__(self, tiers, policy: str = "auto", device="cpu", log_stats: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"KDTREE: {POLICY_ENV}={policy!r} is not one of {', '.join(POLICIES)}")
         self.tiers = tuple(sorted(int(w) for w in tiers))
         self.policy = policy
         self.device = torch.device(device)
+        # one pinned width needs no statistics, except for the round log's record
+        self.keep_stats = len(self.tiers) > 1 or log_stats
         t = len(self.tiers)
         self.expected_sum = [0.0] * t  # decayed sums, per request, of the drafter's expected accept length
         self.expected_n = 0.0
@@ -128,7 +130,7 @@ class WidthChooser:
         """Issue the round's statistics: ``expected`` ``[bs, T]`` (``widths.expected_accepts``) and ``accepted``
         ``[bs, L+1]`` node indices, summed over the batch on the device and copied to the host without waiting."""
         self._rounds += 1
-        if expected is None:
+        if expected is None or not self.keep_stats:
             return
         realised = realised_accepts(accepted, self.tiers).to(torch.float32)
         stats = torch.stack([expected.sum(dim=0), realised.sum(dim=0)])  # [2, T]

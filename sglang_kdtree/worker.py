@@ -149,10 +149,11 @@ class KDTreeWorker(DFlashWorkerV2):
         self.depths, self.vocab_size = self.geometry.depths, self.geometry.vocab_size
         self._draft_dtype = next(self.draft_model.parameters()).dtype
         self.backend = select_backend(self.device)
-        self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device)
-        self.verify_tiers = None  # built once the target's own verify backend and graphs exist (init_cuda_graphs)
         # opt-in diagnostics (round_log) and test-only fault injection (round_faults), off unless set
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
+        self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device,
+                                    log_stats=self._round_log is not None)
+        self.verify_tiers = None  # built once the target's own verify backend and graphs exist (init_cuda_graphs)
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
         self._test_faults_path = os.environ.get(round_faults.TEST_FAULTS_ENV) or None

@@ -231,6 +231,12 @@ def test_the_choice_explores_every_tier_then_takes_the_best_rate():
 
 def test_one_tier_and_cycle():
     assert {WidthChooser((65,)).choose(b, 10 * b) for b in (1, 7, 64)} == {65}
+    expected, accepted = torch.full((2, 1), 3.0), torch.tensor([[0, 1, -1], [0, -1, -1]])
+    pinned, logged = WidthChooser((65,)), WidthChooser((65,), log_stats=True)
+    for chooser in (pinned, logged):
+        chooser.record(65, 2, 20, 0.0, expected, accepted)
+        chooser.settle(ended=0.5)
+    assert pinned.last == {} and logged.last["realised"] == 1.5 and logged.last["predicted_raw"] == 3.0
     cyc = WidthChooser((16, 32, 48), policy="cycle")
     got = []
     for _ in range(5):
