@@ -36,7 +36,9 @@ def launch_args_problem(argv: list[str]) -> str | None:
     try:
         spec.validate_server_args(namespace)
     except ValueError as exc:
-        return str(exc)
+        from sglang_kdtree.plugin import refusal_block
+
+        return refusal_block(str(exc))  # every problem of the launch, as the server would print them
     return None
 
 

@@ -3,8 +3,9 @@
 SGLang calls ``register()`` with no arguments in every process that loads plugins (launcher, each
 scheduler / TP rank, detokenizer); it must be idempotent and must not touch the GPU.
 
-Startup refusals: every ``ValueError`` the plugin raises while SGLang resolves the server arguments is
-first printed as one line, ``kdtree: <message>``, on stderr, so it is readable above SGLang's traceback.
+Startup refusals: every ``ValueError`` the plugin raises while SGLang resolves the server arguments is printed as
+one ``kdtree:`` block on stderr (a line per problem: a launch with several mistakes names all of them), when it is
+raised and once more at exit, after SGLang's traceback.
 """
 
 from __future__ import annotations
@@ -26,12 +27,40 @@ class WorkerUnavailableError(RuntimeError):
     """Raised when a KDTREE server is started but the worker cannot be built on this installation."""
 
 
+def refusal_block(message: str) -> str:
+    """A refusal's text as one ``kdtree:`` block: a line per problem (each message line, without its ``KDTREE:``
+    tag), under a count when there are several."""
+    lines = []
+    for line in str(message).splitlines():
+        text = " ".join(line.split())
+        if text[:7].upper() == "KDTREE:":
+            text = text[7:].lstrip()
+        if text:
+            lines.append(text)
+    if len(lines) == 1:
+        return f"kdtree: {lines[0]}"
+    return "\n".join([f"kdtree: {len(lines)} problems with this launch:"] + [f"kdtree:   {x}" for x in lines])
+
+
+_last_words: list = []
+
+
+def _print_last_words() -> None:
+    for block in _last_words:
+        print(block, file=sys.stderr, flush=True)
+
+
 def report_refusal(message: str) -> None:
-    """Print ``kdtree: <message>`` as one line on stderr (the refusal's text without its ``KDTREE:`` tag)."""
-    text = " ".join(str(message).split())
-    if text[:7].upper() == "KDTREE:":
-        text = text[7:].lstrip()
-    print(f"kdtree: {text}", file=sys.stderr, flush=True)
+    """Print the refusal's ``kdtree:`` block on stderr now, and once more when the process exits, after the
+    traceback SGLang's launcher prints, so the last lines a user sees name every problem and its fix."""
+    block = refusal_block(message)
+    print(block, file=sys.stderr, flush=True)
+    if not _last_words:
+        import atexit
+
+        atexit.register(_print_last_words)
+    if block not in _last_words:
+        _last_words.append(block)
 
 
 def refuse(message: str) -> ValueError:

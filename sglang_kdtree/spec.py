@@ -16,7 +16,8 @@ SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` 
 * ``--page-size 1`` only (the tree's KV rows are compacted slot by slot).
 * Overlap scheduling: see ``SUPPORTS_OVERLAP``.
 
-Every refusal is a ``ValueError`` raised during argument resolution, naming the flag, the value and the fix.
+Every refusal is a ``ValueError`` raised during argument resolution, naming the flag, the value and the fix; a
+launch with several problems gets one ``ValueError`` listing all of them, a ``KDTREE: ...`` line each.
 """
 
 from __future__ import annotations
@@ -154,74 +155,73 @@ def resolve_widths(flag_value) -> int:
     return width
 
 
-def validate_server_args(server_args) -> None:
-    """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load).
-
-    Writes the verify width when unset and the EAGLE-style fields SGLang's tree-verify machinery reads:
-    ``speculative_num_steps = 1`` and ``speculative_eagle_topk = 2`` (a value > 1 switches fa3 / triton into
-    tree-mask mode; DDTree's own top-K is ``min(B, V)`` and does not use this field). A user value for either
-    other than those is refused: it would have no effect.
-    """
+def launch_problems(server_args, resolved: dict):
+    """Every setting of ``server_args`` DDTree cannot honour, one message each (naming the flag, the value and the
+    fix), in the order a reader fixes them; ``resolved["width"]`` gets the largest verify width when the widths
+    resolve (``resolve_widths``)."""
     sa = server_args
-    width = resolve_widths(sa.speculative_num_draft_tokens)
-    tiers = os.environ[WIDTHS_ENV]
+    try:
+        resolved["width"] = resolve_widths(sa.speculative_num_draft_tokens)
+    except ValueError as exc:
+        yield str(exc)
+    tiers = os.environ.get(WIDTHS_ENV, "")
     if "," in tiers:
         # each extra width captures its own verify graph runner; these features keep one shared per-width state
         for field, flag in (("enable_lora", "--enable-lora"), ("enable_two_batch_overlap", "--enable-two-batch-overlap"),
                             ("enable_pdmux", "--enable-pdmux")):
             if getattr(sa, field, False):
-                raise ValueError(
+                yield (
                     f"KDTREE: {flag} is not supported with several verify widths ({WIDTHS_ENV}={tiers}: its state is "
-                    f"sized for one width); pin one width with --speculative-num-draft-tokens {width}, or drop {flag}"
+                    f"sized for one width); pin one width with --speculative-num-draft-tokens, or drop {flag}"
                 )
     block = sa.speculative_dflash_block_size
     if block is not None and not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE:
-        raise ValueError(
+        yield (
             f"KDTREE: --speculative-dflash-block-size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] "
             f"(draft depths L = block_size - 1 <= {MAX_BLOCK_SIZE - 1}); omit it to use the drafter's own block size"
         )
     if sa.speculative_draft_model_path is None:
-        raise ValueError(
+        yield (
             "KDTREE: --speculative-draft-model-path is required (the DFlash block-diffusion drafter checkpoint)"
         )
 
     device = _device_type(sa.device)
     allowed = TREE_MASK_BACKENDS.get(device)
     if allowed is None:
-        raise ValueError(f"KDTREE: --device {sa.device} is not supported; use cuda (or cpu for tests)")
+        yield (f"KDTREE: --device {sa.device} is not supported; use cuda (or cpu for tests)")
     for flag, value in (
         ("--attention-backend", sa.attention_backend),
         ("--decode-attention-backend", sa.decode_attention_backend),
         ("--prefill-attention-backend", sa.prefill_attention_backend),
     ):
-        if value is None or value in allowed:
+        if value is None or allowed is None or value in allowed:
             continue
         why = (
             "plans causal attention for target verify and ignores the tree mask"
             if value in CAUSAL_ONLY_BACKENDS
             else "is not known to honour a tree mask in target verify"
         )
-        raise ValueError(
+        yield (
             f"KDTREE: {flag} {value} {why}; use {flag} {allowed[0]} "
             f"(supported on {device}: {', '.join(allowed)})"
         )
     if "flashinfer" in {sa.attention_backend, sa.decode_attention_backend} and _is_mla_model(sa):
-        raise ValueError(
+        yield (
             "KDTREE: --attention-backend flashinfer on an MLA model (DeepSeek-V3 / Kimi K2) runs flashinfer_mla, "
             "which plans causal attention for target verify and ignores the tree mask; use --attention-backend "
             "fa3 (Hopper) or triton"
         )
     if sa.page_size is not None and int(sa.page_size) != 1:
-        raise ValueError(
+        yield (
             f"KDTREE: --page-size {sa.page_size} is not supported (tree KV rows are compacted slot by slot); "
             "use --page-size 1"
         )
     if int(sa.pp_size) != 1:
-        raise ValueError(f"KDTREE: --pp-size {sa.pp_size} is not supported; use --pp-size 1")
+        yield (f"KDTREE: --pp-size {sa.pp_size} is not supported; use --pp-size 1")
     if getattr(sa, "dp_size", 1) not in (None, 1) and getattr(sa, "enable_dp_attention", False):
-        raise ValueError("KDTREE: DP attention is not supported; drop --enable-dp-attention")
+        yield ("KDTREE: DP attention is not supported; drop --enable-dp-attention")
     if not SUPPORTS_OVERLAP and not sa.disable_overlap_schedule:
-        raise ValueError(
+        yield (
             "KDTREE: overlap scheduling is not supported yet (the tree accept path still synchronises with "
             "the host); add --disable-overlap-schedule"
         )
@@ -230,7 +230,7 @@ def validate_server_args(server_args) -> None:
     if getattr(sa, "enable_return_hidden_states", False) or mode is not None:
         # Without this, a request with return_hidden_states gets an empty list from the KDTREE server (the plain
         # server returns one row per token): the tree round does not collect the committed tokens' hidden states.
-        raise ValueError(
+        yield (
             f"KDTREE: returning hidden states is not supported (--enable-return-hidden-states / "
             f"--return-hidden-states-mode {mode or 'full'}): the tree round does not collect them, so requests with "
             "return_hidden_states would get none; drop the flag"
@@ -238,24 +238,39 @@ def validate_server_args(server_args) -> None:
     for field, flag, off, why in _UNSERVED_SPEC_FLAGS + _UNSERVED_SERVER_FLAGS:
         value = getattr(sa, field, off)
         if value is not None and value != off:
-            raise ValueError(f"KDTREE: {flag} {value} is not supported ({why}); drop {flag}")
+            yield (f"KDTREE: {flag} {value} is not supported ({why}); drop {flag}")
     # EAGLE's knobs: the plugin sets both below; a different value asked for would be silently overridden.
     steps = sa.speculative_num_steps
     if steps is not None and int(steps) != KDTREE_NUM_STEPS:
-        raise ValueError(
+        yield (
             f"KDTREE: --speculative-num-steps {steps} does not apply (DDTree runs the drafter once per round; the "
             "tree is at most the drafter's block size - 1 deep, --speculative-dflash-block-size); drop it"
         )
     topk = sa.speculative_eagle_topk
     if topk is not None and int(topk) != KDTREE_EAGLE_TOPK:
-        raise ValueError(
+        yield (
             f"KDTREE: --speculative-eagle-topk {topk} does not apply (DDTree's per-depth top-K is the node budget, "
             "--speculative-num-draft-tokens - 1); drop it"
         )
 
-    sa.speculative_num_draft_tokens = width
-    sa.speculative_num_steps = KDTREE_NUM_STEPS
-    sa.speculative_eagle_topk = KDTREE_EAGLE_TOPK
+
+
+def validate_server_args(server_args) -> None:
+    """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load): one
+    ``ValueError`` listing every problem of the launch (``launch_problems``), one ``KDTREE: ...`` line each.
+
+    Writes the verify width when unset and the EAGLE-style fields SGLang's tree-verify machinery reads:
+    ``speculative_num_steps = 1`` and ``speculative_eagle_topk = 2`` (a value > 1 switches fa3 / triton into
+    tree-mask mode; DDTree's own top-K is ``min(B, V)`` and does not use this field). A user value for either
+    other than those is refused: it would have no effect.
+    """
+    resolved: dict = {}
+    problems = list(launch_problems(server_args, resolved))
+    if problems:
+        raise ValueError("\n".join(problems))
+    server_args.speculative_num_draft_tokens = resolved["width"]
+    server_args.speculative_num_steps = KDTREE_NUM_STEPS
+    server_args.speculative_eagle_topk = KDTREE_EAGLE_TOPK
 
 
 class KDTreeSpec(CustomSpecAlgo):

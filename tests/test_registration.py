@@ -213,8 +213,29 @@ def test_lora_is_refused_at_startup_by_sglang(model_dir):
     sa = prepare_server_args(
         ["--model-path", model_dir, "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", model_dir,
          "--device", "cpu", "--disable-overlap-schedule", "--enable-lora", "--max-lora-rank", "8",
-         "--lora-target-modules", "q_proj"]
-    )
+         "--lora-target-modules", "q_proj", "--speculative-num-draft-tokens", "17"]  # one width: the plugin's own
+    )                                                                              # refusal is for several
     sa.resolve_once()
     with pytest.raises(ValueError, match="LoRA is only compatible with .* not KDTREE"):
         sa.check_server_args()
+
+
+def test_a_launch_with_three_mistakes_names_all_three_in_one_block(model_dir, capsys):
+    """Every problem of a launch at once, one ``kdtree:`` line each under a count (and the same block is printed
+    again at exit, after SGLang's traceback)."""
+    from sglang_kdtree import plugin
+
+    with pytest.raises(Exception) as err:
+        resolve(model_dir, "--attention-backend", "torch_native", "--page-size", "16", "--speculative-num-steps", "5",
+                "--speculative-eagle-topk", "8")
+    text = str(err.value)
+    for words in ("--page-size 16 is not supported", "--speculative-num-steps 5 does not apply",
+                  "--speculative-eagle-topk 8 does not apply"):
+        assert words in text
+    block = plugin.refusal_block(text)
+    lines = block.splitlines()
+    assert lines[0] == "kdtree: 3 problems with this launch:" and len(lines) == 4
+    assert all(line.startswith("kdtree:   ") for line in lines[1:])
+    assert block in capsys.readouterr().err
+    assert block in plugin._last_words  # printed once more at exit
+    assert plugin.refusal_block("KDTREE: --page-size 16 is not supported") == "kdtree: --page-size 16 is not supported"
