@@ -90,6 +90,8 @@ def test_missing_drafter_path_is_one_clean_line_from_the_repo_root(venv_python, 
     lines = result.stderr.splitlines()
     expected = f"kdtree: --speculative-draft-model-path {missing}: the path does not exist"
     assert expected in lines, result.stderr[-3000:]
-    assert [line for line in lines if line.startswith("kdtree:")] == [expected]
+    # the one kdtree: line above SGLang's traceback, and once more as the last word, after it
+    assert [line for line in lines if line.startswith("kdtree:")] == [expected, expected]
     traceback_at = next(i for i, line in enumerate(lines) if line.startswith("Traceback"))
     assert lines.index(expected) < traceback_at
+    assert len(lines) - 1 - lines[::-1].index(expected) > traceback_at
