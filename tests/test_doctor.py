@@ -83,7 +83,7 @@ def test_doctor_fails_naming_the_fix_when_patch_targets_are_missing():
     failures = fail_lines(out)
     assert any(HOOKED in line and "not patched by SGLang's HookRegistry" in line for line in failures), out
     assert any(NAMED in line and "does not exist in the installed SGLang" in line for line in failures), out
-    assert any("launch command would not start: KDTREE: --speculative-num-steps 3 does not apply" in line
+    assert any("launch command would not start: kdtree: --speculative-num-steps 3 does not apply" in line
                for line in failures), out
     lines = out.splitlines()
     for i, line in enumerate(lines):
