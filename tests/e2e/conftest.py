@@ -33,10 +33,27 @@ import make_tiny_models  # noqa: E402
 STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_E2E_STARTUP_TIMEOUT", "240"))
 
 
+# The generator's output, committed (1.6 MB): fitting the four models takes 10-20 min on 2 cores, more than
+# the rest of the suite. tests/test_tiny_models.py fails when it no longer matches the generator.
+COMMITTED_TINY_MODELS = HERE / "tiny_models"
+
+
+def committed_models_current() -> bool:
+    """Whether the committed models were built by this exact generator (its manifest's source hash)."""
+    manifest = COMMITTED_TINY_MODELS / "MANIFEST.json"
+    return (manifest.exists()
+            and json.loads(manifest.read_text()).get("source_hash") == make_tiny_models.source_hash())
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     root = os.environ.get("KDTREE_TINY_MODELS")
-    out = Path(root) if root else tmp_path_factory.mktemp("tiny_models")
+    if root:
+        out = Path(root)
+    elif committed_models_current():
+        return COMMITTED_TINY_MODELS
+    else:
+        out = tmp_path_factory.mktemp("tiny_models")
     make_tiny_models.ensure_built(out)
     return out
 
