@@ -15,6 +15,8 @@ import torch
 
 from sglang_kdtree.contract import (AcceptResult, CommitPlan, Trees, VerifyInputs, eager_accept_commit_greedy,
                                     eager_tree_step, move_kv_with_sglang)
+from sglang_kdtree.gpu.buffers import grown
+from sglang_kdtree.gpu.round_graphs import AcceptCommitGraphs, TreeStepGraphs
 from sglang_kdtree.gpu.verify import full_mask_numel
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,6 @@ def _as_accept(r) -> AcceptResult:
 
 def _as_plan(p) -> CommitPlan:
     return CommitPlan(p.src_slots, p.dst_slots, p.hidden_rows, p.accept_lens, p.errors)
-
-
-def grown(current: int, needed: int) -> int:
-    """Capacity after a grow-only resize: ``needed`` if it fits, else at least double (amortised, no per-round
-    reallocation once the largest batch and context have been seen)."""
-    return current if needed <= current else max(int(needed), 2 * int(current))
 
 
 class GpuBackend:
@@ -70,12 +66,16 @@ class GpuBackend:
         self.tree_errors = topk.new_error_flag(self.device)
         self.commit_errors = errors.new_error_flag(self.device)
         self._kv_tables = {}
-        from sglang_kdtree.gpu.round_graphs import AcceptCommitGraphs, TreeStepGraphs
-
         self._tree_graphs = TreeStepGraphs(self)
         self._commit_graphs = AcceptCommitGraphs(self)
 
     # -- buffers ----------------------------------------------------------------------------------------
+
+    @property
+    def builder(self):
+        """The ``gpu.tree.TreeBuilder`` that ``reserve`` sized (None before it, or after ``round_faults``
+        released it): the buffers the round graphs capture."""
+        return self._builder
 
     def reserve(self, batch: int, budget: int, depth: int, vocab: int, mask_bytes: int = 0) -> None:
         """Make the round's buffers hold ``batch`` requests of ``budget`` nodes over ``depth`` draft depths of a
