@@ -188,7 +188,7 @@ class TreeStepGraphs(_Graphs):
 
         step = self.run(key, body, hit)
         v = step.verify
-        # the contract's (unfrozen) values built once per round, with this round's FULL_MASK length
+        # the round's verify inputs: the graph's views, with the FULL_MASK cut to this round's length
         verify = VerifyInputs(v.input_ids, v.positions, verify_buf.full_mask[:mask_numel], v.ancestor_bits,
                               v.retrieve_index, v.retrieve_next_token, v.retrieve_next_sibling)
         return TreeStep(step.trees, verify, step.expected, step.draft_logits)
