@@ -15,7 +15,6 @@ import numpy as np
 from sglang_kdtree.contract import Trees
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import (
-    MAX_K,
     TopKWorkspace,
     _check_k,
     _ptr,
@@ -177,8 +176,8 @@ class _TreeLaunch:
             raise ValueError(f"L = {depth} draft depths exceed the GPU limit {MAX_DEPTH}")
         if depth > 0 and k == 0:
             raise ValueError(f"logprobs has L={depth} depths but K=0 candidates")
-        if k > MAX_K:
-            raise ValueError(f"K = {k} candidates per depth exceed {MAX_K}; take top-K with K <= budget")
+        if k > MAX_BUDGET:
+            raise ValueError(f"K = {k} candidates per depth exceed {MAX_BUDGET}; take top-K with K <= budget")
         width = max(budget, 0) + 1
         dev = logprobs.device
         if out is None:
