@@ -45,8 +45,8 @@ _ACCEPT_THREADS_LOGITS = 1024
 #: greedy accept over logits: blocks per request (a thread-block cluster; GREEDY_CLUSTER in the .cu)
 _GREEDY_CLUSTER = 8
 #: its threads per block, at most the kernel's launch bound (GREEDY_THREADS, 512): 384 up to batch 16, 256 above,
-#: where smaller blocks let more of the batch's clusters be resident at once (benchmarks/accept_sweep.py on the
-#: H200: 24.9 vs 31.3 us at batch 32, 12.3 vs 12.5 us at batch 1, against 512 threads)
+#: where smaller blocks let more of the batch's clusters be resident at once (about a fifth faster than 512 threads
+#: at batch 32, no slower at batch 1: benchmarks/accept_sweep.py)
 _GREEDY_SMALL_BATCH = 16
 _GREEDY_THREADS_SMALL, _GREEDY_THREADS_LARGE = 384, 256
 

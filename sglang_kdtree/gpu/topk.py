@@ -57,8 +57,8 @@ HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more 
 #: bf16 rows (16-byte aligned) run the two-groups-per-thread kernels (``*_g2``: 16384-column chunks, the block's
 #: fixed work paid once per 16384 columns) when the one-group grid would have at least this many blocks (rows x
 #: 8192-column chunks); fewer blocks keep the 8192-column chunks, whose larger grid fills the GPU at small batch.
-#: On the H200 (benchmarks/topk_groups.py, K 64, vocab 163,840, 15 rows per request) two groups took 85.0 vs 89.4 us
-#: at batch 32 (9600 blocks) and 157.4 vs 173.8 at 64, but 51.8 vs 51.4 at 16 (4800) and 17.2 vs 16.1 at 1.
+#: Two groups are 5-10 % faster from batch 32 up (9600 blocks at K 64, vocab 163,840, 15 rows per request) and
+#: slower at batch 16 (4800 blocks) and below (benchmarks/topk_groups.py reproduces the comparison).
 #: SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS overrides it (A/B benchmarks; 0: always, a huge value: never).
 HIST_G2_MIN_BLOCKS = int(os.environ.get("SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS", "6000"))
 
