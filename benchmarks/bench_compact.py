@@ -46,12 +46,13 @@ def make_plan(bs, tau, seed=0):
 def run_case(pool, table, bs, tau, bw):
     import torch
 
-    from sglang_kdtree.gpu.compact import GPUCommitPlan, compact_kv
+    from sglang_kdtree.contract import CommitPlan
+    from sglang_kdtree.gpu.compact import compact_kv
 
     plan = make_plan(bs, tau)
     dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()
-    gplan = GPUCommitPlan(dev(plan.src_slots), dev(plan.dst_slots), dev(plan.hidden_rows), dev(plan.accept_lens),
-                          torch.zeros(1, dtype=torch.int32, device="cuda"))
+    gplan = CommitPlan(dev(plan.src_slots), dev(plan.dst_slots), dev(plan.hidden_rows), dev(plan.accept_lens),
+                      torch.zeros(1, dtype=torch.int32, device="cuda"))
     valid = plan.src_slots >= 0
     src, tgt = dev(plan.src_slots[valid]), dev(plan.dst_slots[valid])
     moved = int((plan.src_slots != plan.dst_slots)[valid].sum())
@@ -118,13 +119,14 @@ def main(argv=None):
 def test_bench_compact(benchmark):
     """pytest-benchmark case (GPU only): ours, 61 layers, bs=128, tau=16."""
     torch = cuda_torch_or_skip()
-    from sglang_kdtree.gpu.compact import GPUCommitPlan, compact_kv, kv_layer_table
+    from sglang_kdtree.contract import CommitPlan
+    from sglang_kdtree.gpu.compact import compact_kv, kv_layer_table
 
     pool = [torch.zeros((SLOTS, 1, ROW), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     table = kv_layer_table(pool)
     plan = make_plan(128, 16)
     dev = lambda a: torch.from_numpy(a).cuda()
-    gplan = GPUCommitPlan(dev(plan.src_slots), dev(plan.dst_slots), dev(plan.hidden_rows), dev(plan.accept_lens), None)
+    gplan = CommitPlan(dev(plan.src_slots), dev(plan.dst_slots), dev(plan.hidden_rows), dev(plan.accept_lens), None)
 
     def call():
         compact_kv(table, gplan)

@@ -28,8 +28,8 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   commit, drafter features, result). Per step (``steps`` in the round log), KDTREE's own bookkeeping is
   ``tree_prep + tree_step + accept_commit_kv + result`` with graphs (``topk + build + verify_inputs`` and
   ``accept + commit`` step by step): draft logits -> verify inputs, accept and commit, and the tree step's host
-  work before the drafter's head GEMM (``tree_prep``, counted since session 12; since session 13 also the step
-  graph's lookup and its static inputs' copy, issued before the GEMM); ``prepare`` (DFLASH's
+  work before the drafter's head GEMM (``tree_prep``, which includes the step graph's lookup and its static
+  inputs' copy, issued before the GEMM); ``prepare`` (DFLASH's
   ``prepare_for_verify``: SGLang's attention metadata for the verify forward) and ``features`` (DFLASH's drafter
   KV append of the accepted rows) are SGLang code that a DFLASH round runs too, reported beside it
   (``sglang_side``), not in it.

@@ -11,7 +11,7 @@
 #       kind="nvidia-h200-x2")
 # Without .dev-carry it falls back to carrying .whl and .whl-server (57.5 MiB; then no room for the Marlin JIT
 # modules: the Kimi-shaped servers compile them for minutes) and builds the tiny models here (about a minute).
-# The call that ran the submitted code (benchmarks/RESULTS.md, "Session 3"):
+# A full run (unit tests, every server kind of the probe, and the bench):
 #   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
 #   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
 # Knobs: JIT_SEED_WHICH (prebuild_jit.py --which for the seed; default plain,glue,kdtree: a module the seed lacks is
@@ -117,8 +117,8 @@ mkdir -p "$KDTREE_SERVER_LOGS"
 TEST_CAP=$(( $(left) - 25 - ${BENCH_AFTER_S:-0} ))
 export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
 # CUDA servers here took 50-140 s to become healthy (70 s for the tiny Llama with 8 starting at once, 123-142 s with
-# 16); a shorter startup timeout stops them all while they still capture graphs (session 8, call 10): say so up front
-# (session 14: DEADLINE=270 gave them 78 s and the whole probe was lost). Below 120 s the tests / probe are skipped,
+# 16); a shorter startup timeout stops them all while they still capture graphs, and the whole probe is lost (a
+# DEADLINE of 270 left them 78 s): say so up front. Below 120 s the tests / probe are skipped,
 # not run to certain failure, unless SHORT_STARTUP_OK=1; the unit tests and the bench still run.
 SERVERS_OK=1
 if [ "$KDTREE_CUDA_STARTUP_TIMEOUT" -lt 120 ]; then
@@ -208,7 +208,7 @@ unset CUDA_VISIBLE_DEVICES
 if [ -n "${KIMI_ROUND:-}" ]; then
   KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
   # (the stand-in on the path: the Marlin MoE piece and round_parts' bookkeeping import sgl_kernel; without it
-  # both fail here and the MoE is timed on the bf16 fallback: session 16)
+  # both fail here and the MoE is timed on the bf16 fallback)
   [ "$KR_S" -gt 40 ] && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
     step kimi_round $(( KR_S + 20 )) python3 benchmarks/kimi_round.py --deadline $(( KR_S - 15 )) \
     --json "$LOGS/kimi_round.json"

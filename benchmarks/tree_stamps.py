@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-# the kernel texts the stamps go around (build_trees_list's body: the sorted list up to ff63545, and the
-# padded-rows list since), and where they go: after which line of the body
+# the kernel texts the stamps go around (build_trees_list's body: the older sorted list, for --old copies, and the
+# padded-rows list), and where they go: after which line of the body
 BODIES = ("""  stage_rows(S, lp, L, K, KS);
   if (tid == 0) init_root(node_parent, node_rank, node_depth, node_score, &s_nodes);
   __syncthreads();
@@ -52,7 +52,7 @@ def stamped_body(body: str) -> str:
     return "\n".join(out)
 
 
-# the end of build_trees_list's write-out (up to b8f07d1, and since the fused tree + verify kernels), and the stamp
+# the end of build_trees_list's write-out (before the fused tree + verify kernels, and with them), and the stamp
 # after it
 ENDS = ("""scores, num_nodes);
 }

@@ -68,7 +68,7 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 // that returns once the previous kernel has finished and its writes are visible (at once after a plain launch). With
 // the wait at entry no read or write moves; only the launch's latency overlaps the previous kernel's tail. No kernel
 // triggers its dependents early (griddepcontrol.launch_dependents): at the top-K pass's and select's entry that made
-// the batch-1 tree step 2 us slower (benchmarks/RESULTS.md, session 22).
+// the batch-1 tree step slower (benchmarks/RESULTS.md).
 // ---------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void pdl_wait() {

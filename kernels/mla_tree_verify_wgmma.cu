@@ -159,7 +159,7 @@ __device__ __forceinline__ void mla_tree_verify_wgmma_body(
     // A key tile's loads, issued by warpgroup 1 alone: it is idle while warpgroup 0 computes S and the softmax, so
     // warpgroup 0 never waits on a slot lookup. 8 threads per key row (a warp covers 4 rows x 128 contiguous bytes
     // per load), 9 of its 72 chunks each, 16 rows per pass. (On the H200 this beat all 256 threads loading, and 2
-    // or 4 threads per row: benchmarks/RESULTS.md, session 14.) The rows' slots are looked up one tile ahead
+    // or 4 threads per row: benchmarks/RESULTS.md.) The rows' slots are looked up one tile ahead
     // (fetch_slots, into registers; the lookup's latency passes while the previous tile computes), so a tile's
     // copies start as soon as its stage is free. A row past the split's keys gets slot -1 and zero-fills.
     long long slot_next[KEY_TILE / 16];

@@ -471,7 +471,7 @@ __device__ __forceinline__ void boundary_bin(u32* __restrict__ gh, const u32 (&h
   const int base = (H_THREADS - 1 - tid) * PER;
   uint4* q4 = reinterpret_cast<uint4*>(gh + base);
   // clean for the next call, writing only what holds counts: at batch 32 rewriting every bin with zeros cost 7 us
-  // of the select (8 MB of L2 writes; benchmarks/RESULTS.md, session 8)
+  // of the select (8 MB of L2 writes; benchmarks/RESULTS.md)
 #pragma unroll
   for (int q = 0; q < PER / 4; ++q)
     if (h[4 * q] | h[4 * q + 1] | h[4 * q + 2] | h[4 * q + 3]) q4[q] = make_uint4(0u, 0u, 0u, 0u);
@@ -542,7 +542,7 @@ __device__ __forceinline__ void gather_group_impl(const T* __restrict__ row, int
   // predicate on bf16 values: cf is a bin edge or a chunk bound, so either bf16-exact, or (a negative edge, whose
   // key's low bits were set by key_float's complement) within one bf16 step below its truncation c, with no bf16
   // value in [cf, c). The segment path (K > 256) keeps the compare per column: packed, it was about 1 % slower at
-  // batch 32-64 (benchmarks/RESULTS.md, session 24).
+  // batch 32-64 (benchmarks/RESULTS.md).
   constexpr bool PACKED = FULL && sizeof(T) == 2 && !SEG;
   u32 mask = 0;
   if constexpr (PACKED) {

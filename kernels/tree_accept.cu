@@ -555,7 +555,7 @@ ACCEPT_LOGITS_ENTRY(accept_sampled_bf16, unsigned short, true)
 #define GREEDY_THREADS 512  // the launch bound; the launcher runs 384 or 256 threads (gpu/accept.py _greedy_threads)
 #endif
 // 16-byte loads in flight per thread: 8 took 1-2 us off every batch against 4 on fp32 target rows (the server's
-// dtype; benchmarks/accept_sweep.py --dtype fp32, RESULTS.md session 8)
+// dtype; benchmarks/accept_sweep.py --dtype fp32)
 #ifndef GREEDY_LOADS
 #define GREEDY_LOADS 8
 #endif

@@ -44,18 +44,18 @@ def _eagle_abi(trees_np, budget):
     """Our tree in SGLang's EAGLE lineage ABI (parent_list / selected_index) so build_tree_kernel_efficient
     builds the same mask: node j's candidate id = slot(parent) * topk + (child order), slot(root) = 0."""
     bs, width = trees_np.tokens.shape
-    n_nodes = width - 1
+    tree_budget = width - 1  # rows besides the root
     fan = 1
     for b in range(bs):
         n = int(trees_np.num_nodes[b])
         if n:
             fan = max(fan, int(np.bincount(trees_np.parents[b, 1: n + 1]).max()))
     depth = max(2, int(trees_np.depths.max()))
-    internal = n_nodes
+    internal = tree_budget
     topk = max(fan, -(-internal // (depth - 1)))
     width_pl = topk * (depth - 1) + 1
     parent_list = np.zeros((bs, width_pl), dtype=np.int64)
-    selected = np.zeros((bs, n_nodes), dtype=np.int64)
+    selected = np.zeros((bs, tree_budget), dtype=np.int64)
     for b in range(bs):
         n = int(trees_np.num_nodes[b])
         slot_of = {0: 0}

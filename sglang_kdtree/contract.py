@@ -4,10 +4,11 @@
 and the oracle) and ``gpu.backend.GpuBackend`` (the CUDA kernels); ``pipeline.select_backend`` picks one. Both
 take torch tensors on the worker's device and return the dataclasses below, on that device, with the same
 shapes and dtypes (``bs`` requests, ``N`` verify rows: ``B + 1`` for the whole tree, the round's width for a cut
-one; ``L`` draft depths, ``P`` committed lengths):
+one; ``L`` draft depths, ``P`` committed lengths). The kernels' launchers in ``sglang_kdtree.gpu`` return the
+same dataclasses, so a result type is defined once per stage:
 
 * ``Trees``: ``tokens``, ``depths``, ``parents`` ``[bs, N]`` int64; ``num_nodes`` ``[bs]`` int64; ``scores``
-  ``[bs, N]`` float64 path scores.
+  ``[bs, N]`` float64 path scores; ``ranks`` ``[bs, N]`` int64 (GPU kernels only).
 * ``TreeStep``: steps 2-3 of a round (trees cut to the width, their verify inputs, expected accept lengths per
   tier, draft logits).
 * ``VerifyInputs``: ``input_ids``, ``positions`` ``[bs*N]`` int64; ``full_mask`` ``[sum(P)*N + N*N*bs]`` bool
@@ -16,7 +17,8 @@ one; ``L`` draft depths, ``P`` committed lengths):
 * ``AcceptResult``: ``accepted`` ``[bs, L+1]`` int64 node indices (root first, -1 padded); ``accept_lens`` ``[bs]``
   int64 tau (bonus included); ``bonus`` ``[bs]`` int64; ``committed`` ``[bs, N]`` int64, the tau committed
   tokens then -1 (row stride N, SGLang's ``next_token_ids`` layout); ``errors`` ``[bs]`` int64 per-request fault
-  bits (``gpu.errors.DEVICE_ERRORS``, 0 when valid).
+  bits (``gpu.errors.DEVICE_ERRORS``, 0 when valid); ``new_seq_lens`` ``[bs]`` int64 ``P + tau`` (GPU kernels
+  only).
 * ``CommitPlan``: ``src_slots``, ``dst_slots``, ``hidden_rows`` ``[bs, L+1]`` int64 (-1 padded); ``accept_lens``
   ``[bs]`` int64; ``errors``: the backend's ``commit_errors`` flag (``int32 [1]``).
 
@@ -39,6 +41,7 @@ from typing import Protocol
 
 import torch
 
+from sglang_kdtree.gpu.errors import raise_on_device_error
 from sglang_kdtree.state import RoundShape
 from sglang_kdtree.widths import expected_accepts
 
@@ -46,13 +49,16 @@ from sglang_kdtree.widths import expected_accepts
 @dataclass
 class Trees:
     """A batch of best-first trees, padded to N rows (``reference.TreeBatch`` as torch tensors); ``scores``
-    ``[bs, N]`` float64 path scores (0 root / padding), None where a caller built the batch without them."""
+    ``[bs, N]`` float64 path scores (0 root / padding), None where a caller built the batch without them;
+    ``ranks`` ``[bs, N]`` int64 rank of each node within its depth's top-K (-1 root / padding), written by the GPU
+    tree kernels (``gpu.tree.build_trees``), None elsewhere (the round never reads it)."""
 
     tokens: torch.Tensor
     depths: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
     scores: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -86,13 +92,21 @@ class TreeStep:
 
 @dataclass
 class AcceptResult:
-    """One round's accepted paths and committed tokens (shapes in the module docstring)."""
+    """One round's accepted paths and committed tokens (shapes in the module docstring); ``new_seq_lens``
+    ``[bs]`` int64 ``P + tau``, written by the GPU accept kernels when given the committed lengths
+    (``gpu.accept``), None elsewhere (the worker adds ``accept_lens`` to its own lengths)."""
 
     accepted: torch.Tensor
     accept_lens: torch.Tensor
     bonus: torch.Tensor
     committed: torch.Tensor
     errors: torch.Tensor
+    new_seq_lens: torch.Tensor | None = None
+
+    def raise_on_error(self) -> None:
+        """Sync and raise ``ValueError`` naming each fault if any request's ``errors`` bits are set (tests and
+        debugging: the worker reads the bits without raising, ``round_faults.end_faulty_requests``)."""
+        raise_on_device_error(self.errors, "accept")
 
 
 @dataclass

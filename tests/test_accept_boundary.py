@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from sglang_kdtree.contract import CommitPlan  # noqa: E402
 from sglang_kdtree.gpu import accept, compact  # noqa: E402
 from sglang_kdtree.gpu.errors import describe_device_error  # noqa: E402
 
@@ -77,7 +78,7 @@ def test_commit_functions_refuse_cpu_tensors():
     with pytest.raises(ValueError, match="at least one layer"):
         compact.kv_layer_table([])
     with pytest.raises(ValueError, match="hidden is on cpu"):
-        compact.gather_hidden(torch.zeros((6, 4)), compact.GPUCommitPlan(a, a, a, a[:, 0], None))
+        compact.gather_hidden(torch.zeros((6, 4)), CommitPlan(a, a, a, a[:, 0], None))
 
 
 def test_error_bits_are_described():

@@ -50,7 +50,7 @@ def test_a_changed_kernel_body_is_named():
 
 
 def test_the_older_list_body_still_stamps():
-    """``--old`` copies from before the padded-row list kernel (ff63545 and earlier) carry the older body text."""
+    """``--old`` copies from before the padded-row list kernel carry the older body text."""
     mod = _module()
     text = (runtime.kernels_dir() / "best_first_tree.cu").read_text()
     new_body, old_body = mod.BODIES[1], mod.BODIES[0]

@@ -426,7 +426,7 @@ def test_marlin_ops_scalar_types_match_sgl_kernel():
 def test_prebuild_jit_seed_resolves_the_kdtree_builder_without_recursing(monkeypatch, tmp_path):
     """``prebuild_jit.seed`` hands ``moe.jit.seed_prebuilt`` its own builder list; asking for the kdtree
     specialization (whose builder comes from ``moe.jit.marlin_module_builders``) must resolve once, not recurse
-    (it did, on the H200, 2026-11-30, when the list was swapped in by patching the module)."""
+    (it did when the list was swapped in by patching the module)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))

@@ -22,7 +22,7 @@ def test_limits_are_declared_once():
     from sglang_kdtree.gpu import accept, compact, topk, tree, verify
 
     assert state.MAX_WIDTH == state.MAX_BUDGET + 1 == 1025
-    assert tree.MAX_BUDGET is state.MAX_BUDGET and topk.MAX_K is state.MAX_BUDGET
+    assert tree.MAX_BUDGET is state.MAX_BUDGET and topk.MAX_BUDGET is state.MAX_BUDGET
     assert accept.MAX_WIDTH is state.MAX_WIDTH
     assert verify._MAX_WIDTH is state.MAX_WIDTH and compact._MAX_ROWS is state.MAX_WIDTH
 

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from sglang_kdtree.contract import Trees  # noqa: E402
 from sglang_kdtree.gpu import topk, tree, verify  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def test_tree_rejects_bad_budget_and_types():
 
 def test_verify_rejects_cpu_trees():
     z = torch.zeros(2, 5, dtype=torch.int64)
-    t = tree.GpuTreeBatch(z, z, z, torch.zeros(2, dtype=torch.int64), z, z.double())
+    t = Trees(z, z, z, torch.zeros(2, dtype=torch.int64), scores=z.double(), ranks=z)
     with pytest.raises(ValueError, match="move it to the GPU"):
         verify.verify_inputs(t, torch.zeros(2, dtype=torch.int64), seq_lens_sum=0)
 

@@ -142,7 +142,7 @@ def test_move_kv_with_sglang_moves_only_changed_rows():
 
 @pytest.mark.parametrize("current, needed, expect", [(0, 5, 5), (8, 5, 8), (8, 9, 16), (8, 40, 40)])
 def test_buffers_grow_at_least_twofold_and_never_shrink(current, needed, expect):
-    from sglang_kdtree.gpu.backend import grown
+    from sglang_kdtree.gpu.buffers import grown
 
     assert grown(current, needed) == expect
 

@@ -11,7 +11,7 @@ The parent array is what the walk reads (not SGLang's first-child / next-sibling
 found by a parallel scan of the parent row, the lowest matching node index wins, exactly like the
 reference and like ``verify_tree_greedy`` walking ``retrive_next_token`` / ``retrive_next_sibling``.
 
-Outputs (``GPUAcceptResult``), all on the trees' device:
+Outputs (``contract.AcceptResult``), all on the trees' device:
 
 * ``accepted``     ``[bs, max_depth+1]`` int64 node indices of the accepted path (root first), -1 padded;
 * ``accept_lens``  ``[bs]`` int64 tau, counting the bonus (what SGLang's V2 worker calls accept_lens);
@@ -23,20 +23,19 @@ Outputs (``GPUAcceptResult``), all on the trees' device:
 
 Validation: shapes, dtypes, devices and ``max_depth`` are checked here on the host (TypeError /
 ValueError); values that need the data (num_nodes range, parents < i, NaN logits, a path longer than
-``max_depth``) set bits in ``errors`` without a sync; ``GPUAcceptResult.raise_on_error()`` syncs and raises.
+``max_depth``) set bits in ``errors`` without a sync; ``AcceptResult.raise_on_error()`` syncs and raises.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
+from sglang_kdtree.contract import AcceptResult
 from sglang_kdtree.gpu import runtime
-from sglang_kdtree.gpu.errors import raise_on_device_error
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.state import MAX_WIDTH  # verify width limit of the kernel's shared-memory tree
 
-__all__ = ["GPUAcceptResult", "accept_greedy", "accept_sampled", "accept_storage_numel", "carve_accept_result",
+__all__ = ["accept_greedy", "accept_sampled", "accept_storage_numel", "carve_accept_result",
            "MAX_WIDTH", "MAX_VOCAB"]
 
 #: vocabulary limit of the sampler's fixed-point weights (a row's weights sum below 2^63)
@@ -46,28 +45,14 @@ _ACCEPT_THREADS_LOGITS = 1024
 #: greedy accept over logits: blocks per request (a thread-block cluster; GREEDY_CLUSTER in the .cu)
 _GREEDY_CLUSTER = 8
 #: its threads per block, at most the kernel's launch bound (GREEDY_THREADS, 512): 384 up to batch 16, 256 above,
-#: where smaller blocks let more of the batch's clusters be resident at once (benchmarks/accept_sweep.py on the
-#: H200: 24.9 vs 31.3 us at batch 32, 12.3 vs 12.5 us at batch 1, against 512 threads)
+#: where smaller blocks let more of the batch's clusters be resident at once (about a fifth faster than 512 threads
+#: at batch 32, no slower at batch 1: benchmarks/accept_sweep.py)
 _GREEDY_SMALL_BATCH = 16
 _GREEDY_THREADS_SMALL, _GREEDY_THREADS_LARGE = 384, 256
 
 
 def _greedy_threads(bs: int) -> int:
     return _GREEDY_THREADS_SMALL if bs <= _GREEDY_SMALL_BATCH else _GREEDY_THREADS_LARGE
-
-
-@dataclass
-class GPUAcceptResult:
-    accepted: object
-    accept_lens: object
-    bonus: object
-    committed: object
-    new_seq_lens: object
-    errors: object
-
-    def raise_on_error(self) -> None:
-        """Sync and raise ``ValueError`` if the kernel flagged invalid input."""
-        raise_on_device_error(self.errors, "accept")
 
 
 def _require_tensor(name, t, dtype, ndim, device=None):
@@ -190,12 +175,12 @@ def accept_storage_numel(bs: int, width: int, max_depth: int) -> int:
     return bs * (max_depth + 1 + width + 4)
 
 
-def carve_accept_result(flat, bs: int, width: int, max_depth: int, with_seq_lens: bool = True) -> GPUAcceptResult:
-    """A ``GPUAcceptResult`` whose fields are contiguous views of the int64 storage ``flat`` (at least
+def carve_accept_result(flat, bs: int, width: int, max_depth: int, with_seq_lens: bool = True) -> AcceptResult:
+    """An ``AcceptResult`` whose fields are contiguous views of the int64 storage ``flat`` (at least
     ``accept_storage_numel`` elements): pass it as ``out`` to reuse one buffer every round."""
     m = max_depth + 1
     parts = flat[: accept_storage_numel(bs, width, max_depth)].split([bs * m, bs * width, bs, bs, bs, bs])
-    return GPUAcceptResult(
+    return AcceptResult(
         accepted=parts[0].view(bs, m),
         accept_lens=parts[2],
         bonus=parts[3],
@@ -212,7 +197,7 @@ def _kernel(name: str):
 
 
 
-def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_lens=None, out=None) -> GPUAcceptResult:
+def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_lens=None, out=None) -> AcceptResult:
     """Greedy (T = 0) accept walk for a batch, twin of ``reference.accept_greedy``.
 
     Args:
@@ -224,10 +209,10 @@ def accept_greedy(trees, target_logits, max_depth: int | None = None, *, seq_len
             A longer path is truncated and flagged (the reference raises). May exceed N - 1 (e.g. L = 15 with
             a budget of 4): the extra columns stay -1.
         seq_lens: ``[bs]`` int64 committed lengths P before this round; gives ``new_seq_lens = P + tau``.
-        out: optional preallocated ``GPUAcceptResult`` (e.g. for CUDA graphs); every field is overwritten.
+        out: optional preallocated ``AcceptResult`` (e.g. for CUDA graphs); every field is overwritten.
 
     Returns:
-        ``GPUAcceptResult`` (module docstring); no host sync.
+        ``AcceptResult`` (module docstring); no host sync.
     """
     import numpy as np
     import torch
@@ -278,7 +263,7 @@ def accept_sampled(
     top_ps=None,
     min_ps=None,
     out=None,
-) -> GPUAcceptResult:
+) -> AcceptResult:
     """T > 0 accept walk, twin of ``reference.accept_sampled`` (same walk, counter-based RNG).
 
     At every visited node the token is drawn from ``softmax(logits / T)`` restricted like SGLang's
@@ -307,7 +292,7 @@ def accept_sampled(
         min_ps: optional ``[bs]`` float32 min-p in [0, 1] (SGLang's ``SamplingBatchInfo.min_ps``; 0 = off). The
             values are read on the device only (no sync): ``<= 0`` or NaN is off, ``> 1`` counts as 1 (SGLang
             refuses values outside [0, 1] at admission). None: off for every request (no extra pass).
-        out: optional preallocated ``GPUAcceptResult``.
+        out: optional preallocated ``AcceptResult``.
     """
     import numpy as np
     import torch

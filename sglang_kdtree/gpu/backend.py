@@ -1,9 +1,8 @@
 """``GpuBackend``: the ``contract.RoundBackend`` on the CUDA kernels of ``sglang_kdtree.gpu`` (CuPy / NVRTC).
 
 Imported by ``pipeline.select_backend`` on a CUDA device only; the kernel modules load in ``GpuBackend()``.
-The kernels' own result types (``gpu.tree.GpuTreeBatch``, ``gpu.verify.GpuVerifyInputs``,
-``gpu.accept.GPUAcceptResult``, ``gpu.compact.GPUCommitPlan``) are re-labelled as the contract's dataclasses
-(the same tensors, no copy), so the worker reads one set of types on either backend.
+The kernels' launchers return the contract's dataclasses themselves, so the worker reads one set of types on
+either backend.
 """
 
 from __future__ import annotations
@@ -13,34 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kdtree.contract import (AcceptResult, CommitPlan, Trees, VerifyInputs, eager_accept_commit_greedy,
-                                    eager_tree_step, move_kv_with_sglang)
+from sglang_kdtree.contract import eager_accept_commit_greedy, eager_tree_step, move_kv_with_sglang
+from sglang_kdtree.gpu.buffers import grown
+from sglang_kdtree.gpu.round_graphs import AcceptCommitGraphs, TreeStepGraphs
 from sglang_kdtree.gpu.verify import full_mask_numel
 
 logger = logging.getLogger(__name__)
-
-
-def _as_trees(t) -> Trees:
-    return Trees(t.tokens, t.depths, t.parents, t.num_nodes, t.scores)
-
-
-def _as_verify(v) -> VerifyInputs:
-    return VerifyInputs(v.input_ids, v.positions, v.full_mask, v.ancestor_bits, v.retrieve_index,
-                        v.retrieve_next_token, v.retrieve_next_sibling)
-
-
-def _as_accept(r) -> AcceptResult:
-    return AcceptResult(r.accepted, r.accept_lens, r.bonus, r.committed, r.errors)
-
-
-def _as_plan(p) -> CommitPlan:
-    return CommitPlan(p.src_slots, p.dst_slots, p.hidden_rows, p.accept_lens, p.errors)
-
-
-def grown(current: int, needed: int) -> int:
-    """Capacity after a grow-only resize: ``needed`` if it fits, else at least double (amortised, no per-round
-    reallocation once the largest batch and context have been seen)."""
-    return current if needed <= current else max(int(needed), 2 * int(current))
 
 
 class GpuBackend:
@@ -70,12 +47,16 @@ class GpuBackend:
         self.tree_errors = topk.new_error_flag(self.device)
         self.commit_errors = errors.new_error_flag(self.device)
         self._kv_tables = {}
-        from sglang_kdtree.gpu.round_graphs import AcceptCommitGraphs, TreeStepGraphs
-
         self._tree_graphs = TreeStepGraphs(self)
         self._commit_graphs = AcceptCommitGraphs(self)
 
     # -- buffers ----------------------------------------------------------------------------------------
+
+    @property
+    def builder(self):
+        """The ``gpu.tree.TreeBuilder`` that ``reserve`` sized (None before it, or after ``round_faults``
+        released it): the buffers the round graphs capture."""
+        return self._builder
 
     def reserve(self, batch: int, budget: int, depth: int, vocab: int, mask_bytes: int = 0) -> None:
         """Make the round's buffers hold ``batch`` requests of ``budget`` nodes over ``depth`` draft depths of a
@@ -128,8 +109,8 @@ class GpuBackend:
     def build(self, logprobs, ids, budget, roots):
         builder = self._reserved_for(logprobs.shape[0])
         out = builder.trees if builder is not None and budget <= builder.max_budget else None
-        return _as_trees(self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64), out=out,
-                                                error_flag=self.tree_errors))
+        return self._tree.build_trees(logprobs, ids, int(budget), roots.to(torch.int64), out=out,
+                                      error_flag=self.tree_errors)
 
     def build_verify(self, logprobs, ids, budget, roots, seq_lens, seq_lens_sum: int):
         """``build`` then ``verify_inputs`` into the reserved buffers, in one launch where a list tree kernel applies
@@ -144,7 +125,7 @@ class GpuBackend:
                                                       seq_lens.to(torch.int64), seq_lens_sum=int(seq_lens_sum),
                                                       out=builder.trees, out_verify=builder.verify,
                                                       error_flag=self.tree_errors)
-        return _as_trees(trees), _as_verify(verify)
+        return trees, verify
 
     def tree_step(self, rows, weight, shape, roots, seq_lens, seq_lens_sum: int, graph: bool = True, mark=None,
                   prep_mark=None):
@@ -196,23 +177,25 @@ class GpuBackend:
         if builder is not None and seq_lens_sum is not None and width <= builder.max_budget + 1 and \
                 builder.verify.full_mask.numel() >= full_mask_numel(seq_lens_sum, width, trees.tokens.shape[0]):
             out = builder.verify
-        return _as_verify(self._verify.verify_inputs(trees, seq_lens.to(torch.int64), seq_lens_sum=seq_lens_sum,
-                                                     out=out, error_flag=self.tree_errors))
+        return self._verify.verify_inputs(trees, seq_lens.to(torch.int64), seq_lens_sum=seq_lens_sum, out=out,
+                                          error_flag=self.tree_errors)
 
-    def _accept_out(self, trees, max_depth):
+    def _accept_out(self, trees, max_depth, with_seq_lens: bool):
+        """The accept result's views of the reused storage; ``new_seq_lens`` None where the walk is not given
+        the committed lengths (it would not be written)."""
         bs, width = trees.tokens.shape
         storage = self._storage("_accept_storage", self._accept.accept_storage_numel(bs, width, max_depth))
-        return self._accept.carve_accept_result(storage, bs, width, max_depth)
+        return self._accept.carve_accept_result(storage, bs, width, max_depth, with_seq_lens)
 
     def accept_greedy(self, trees, logits, max_depth):
-        out = self._accept_out(trees, max_depth)
-        return _as_accept(self._accept.accept_greedy(trees, logits, max_depth, out=out))
+        out = self._accept_out(trees, max_depth, with_seq_lens=False)
+        return self._accept.accept_greedy(trees, logits, max_depth, out=out)
 
     def accept_sampled(self, trees, logits, temperatures, seeds, seq_lens, max_depth, top_ks=None, top_ps=None,
                        min_ps=None):
-        return _as_accept(self._accept.accept_sampled(
+        return self._accept.accept_sampled(
             trees, logits, temperatures, seeds, seq_lens.to(torch.int64), max_depth, top_ks=top_ks, top_ps=top_ps,
-            min_ps=min_ps, out=self._accept_out(trees, max_depth)))
+            min_ps=min_ps, out=self._accept_out(trees, max_depth, with_seq_lens=True))
 
     def sample_tokens(self, logits, temperatures, seeds, seq_lens, top_ks=None, top_ps=None,
                       min_ps=None) -> torch.Tensor:
@@ -225,8 +208,8 @@ class GpuBackend:
 
     def commit_plan(self, accepted, accept_lens, verify_slots):
         storage = self._storage("_plan_storage", 3 * accepted.numel())
-        return _as_plan(self._compact.commit_plan(accepted, accept_lens, verify_slots, errors=self.commit_errors,
-                                                  storage=storage))
+        return self._compact.commit_plan(accepted, accept_lens, verify_slots, errors=self.commit_errors,
+                                         storage=storage)
 
     def commit_kv(self, pool, plan) -> None:
         """Move the accepted rows' KV in every layer with one ``compact_kv`` launch (no host sync) when the pool

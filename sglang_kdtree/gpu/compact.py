@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_kdtree.contract import CommitPlan
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
@@ -26,7 +27,6 @@ from sglang_kdtree.gpu.errors import new_error_flag
 from sglang_kdtree.state import MAX_WIDTH as _MAX_ROWS  # rows per request: the verify width
 
 __all__ = [
-    "GPUCommitPlan",
     "KVLayerTable",
     "kv_layer_table",
     "commit_plan",
@@ -41,18 +41,6 @@ _RESIDENT_BLOCKS = 132 * 4
 _GATHER_THREADS = 128
 #: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
 _TARGET_BLOCKS = 4 * 132
-
-
-@dataclass
-class GPUCommitPlan:
-    """``reference.CommitPlan`` on the GPU: ``src_slots``, ``dst_slots``, ``hidden_rows`` ``[bs, M]`` int64
-    (-1 padded), ``accept_lens`` ``[bs]`` int64, and the ``errors`` flag (bit 64: invalid path)."""
-
-    src_slots: object
-    dst_slots: object
-    hidden_rows: object
-    accept_lens: object
-    errors: object
 
 
 @dataclass(frozen=True)
@@ -132,11 +120,11 @@ def _kernel(module: str, name: str):
     return runtime.load_module(module).get_function(name)
 
 
-def commit_plan(accepted, accept_lens, verify_slots, *, errors=None, storage=None) -> GPUCommitPlan:
+def commit_plan(accepted, accept_lens, verify_slots, *, errors=None, storage=None) -> CommitPlan:
     """KV moves and hidden rows that commit the accepted paths; twin of ``reference.commit_plan``.
 
     Args:
-        accepted: ``[bs, M]`` int64 accepted node indices (``GPUAcceptResult.accepted``), -1 padded.
+        accepted: ``[bs, M]`` int64 accepted node indices (``AcceptResult.accepted``), -1 padded.
         accept_lens: ``[bs]`` int64 tau.
         verify_slots: ``[bs, N]`` int64 or int32 KV slot of node i during verify (= position P+i after).
         errors: optional ``int32 [1]`` flag to OR into (e.g. the accept result's); a new one otherwise.
@@ -173,7 +161,7 @@ def commit_plan(accepted, accept_lens, verify_slots, *, errors=None, storage=Non
         raise ValueError(f"storage must be int64 on {device} with >= {3 * bs * m} elements, got {storage.dtype} "
                          f"{storage.numel()} on {storage.device}")
     src, dst, rows = storage[: 3 * bs * m].view(3, bs, m).unbind(0)
-    plan = GPUCommitPlan(src_slots=src, dst_slots=dst, hidden_rows=rows, accept_lens=accept_lens, errors=errors)
+    plan = CommitPlan(src_slots=src, dst_slots=dst, hidden_rows=rows, accept_lens=accept_lens, errors=errors)
     if bs == 0 or m == 0:
         return plan
     name = "commit_plan_i64" if verify_slots.dtype == torch.int64 else "commit_plan_i32"
@@ -192,7 +180,7 @@ def compact_kv(kv, plan, *, errors=None):
 
     Args:
         kv: a ``KVLayerTable`` (build once per pool), or what ``kv_layer_table`` accepts.
-        plan: ``GPUCommitPlan`` (or any object with ``src_slots``, ``dst_slots`` ``[bs, M]`` int64 and
+        plan: ``CommitPlan`` (or any object with ``src_slots``, ``dst_slots`` ``[bs, M]`` int64 and
             ``accept_lens`` ``[bs]`` int64 CUDA tensors). Different requests' slots must be disjoint.
         errors: ``int32 [1]`` flag to OR into; default ``plan.errors`` if present, else a new one.
 
@@ -248,7 +236,7 @@ def gather_hidden(hidden, plan, *, errors=None, out=None):
 
     Args:
         hidden: ``[bs*N, D]`` CUDA tensor (any dtype; rows contiguous).
-        plan: ``GPUCommitPlan`` (uses ``hidden_rows`` ``[bs, M]``).
+        plan: ``CommitPlan`` (uses ``hidden_rows`` ``[bs, M]``).
         errors: ``int32 [1]`` flag to OR into (default ``plan.errors``).
         out: optional contiguous ``[bs, M, D]`` tensor of hidden's dtype to write into (else allocated).
 

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from sglang_kdtree.contract import TreeStep, VerifyInputs, draft_head, topk_tree_verify
+from sglang_kdtree.gpu.buffers import grown
 from sglang_kdtree.gpu.verify import full_mask_numel, verify_views
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,11 @@ MAX_CONSECUTIVE_MISSES = 64
 
 
 class _Graphs:
-    """Graph cache of one step kind: ``run(key, body)`` returns the body's outputs (views of static buffers)."""
+    """Graph cache of one step kind: ``run(key, body)`` returns the body's outputs (views of static buffers).
+
+    ``backend`` is the ``GpuBackend`` whose steps are captured, used through its public surface (the
+    ``contract.RoundBackend`` steps, ``device``, ``builder``, ``size_accept_commit``, ``storage_addresses``): this
+    module does not import the backend, which imports it."""
 
     kind = "graph"
 
@@ -52,9 +57,9 @@ class _Graphs:
 
     def _check_builder(self) -> None:
         """Drop every graph when ``reserve`` replaced the builder (the graphs point into its buffers)."""
-        if self._backend._builder is not self._builder:
+        if self._backend.builder is not self._builder:
             self._graphs.clear()
-            self._builder = self._backend._builder
+            self._builder = self._backend.builder
 
     def run(self, key, body, hit=None):
         """``hit``: ``self._graphs.get(key)`` when the caller looked the key up already (before work it wanted
@@ -146,7 +151,7 @@ class TreeStepGraphs(_Graphs):
         if self.disabled_reason is not None:
             return None
         self._check_builder()
-        backend, builder = self._backend, self._backend._builder
+        backend, builder = self._backend, self._backend.builder
         bs = roots.shape[0]
         mask_numel = full_mask_numel(int(seq_lens_sum), shape.width, bs)
         if shape.budget > builder.max_budget or builder.verify.full_mask.numel() < mask_numel:
@@ -183,7 +188,7 @@ class TreeStepGraphs(_Graphs):
 
         step = self.run(key, body, hit)
         v = step.verify
-        # the contract's (unfrozen) values built once per round, with this round's FULL_MASK length
+        # the round's verify inputs: the graph's views, with the FULL_MASK cut to this round's length
         verify = VerifyInputs(v.input_ids, v.positions, verify_buf.full_mask[:mask_numel], v.ancestor_bits,
                               v.retrieve_index, v.retrieve_next_token, v.retrieve_next_sibling)
         return TreeStep(step.trees, verify, step.expected, step.draft_logits)
@@ -209,9 +214,7 @@ class AcceptCommitGraphs(_Graphs):
         n = bs * verify_slots.shape[1]
         held = self._slots.numel() if self._slots is not None else 0
         if held < n:
-            from sglang_kdtree.gpu.backend import grown as _grown  # the backend's own grow-only rule
-
-            self._slots = torch.empty(_grown(held, n), dtype=torch.int64, device=backend.device)
+            self._slots = torch.empty(grown(held, n), dtype=torch.int64, device=backend.device)
         slots_in = self._slots[:n].view(bs, -1)
         slots_in.copy_(verify_slots)
         # the storages the steps carve their outputs from must not grow inside a capture: size them first

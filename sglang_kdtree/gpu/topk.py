@@ -26,7 +26,7 @@ from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 #: the one device error table (gpu.errors, mirroring kernels/common.cuh)
 from sglang_kdtree.gpu.errors import TREE_ERRORS as TOPK_ERRORS
-from sglang_kdtree.state import MAX_BUDGET as MAX_K  # K <= B
+from sglang_kdtree.state import MAX_BUDGET  # top-K is taken with K <= the node budget
 
 __all__ = [
     "TOPK_ERRORS",
@@ -57,8 +57,8 @@ HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more 
 #: bf16 rows (16-byte aligned) run the two-groups-per-thread kernels (``*_g2``: 16384-column chunks, the block's
 #: fixed work paid once per 16384 columns) when the one-group grid would have at least this many blocks (rows x
 #: 8192-column chunks); fewer blocks keep the 8192-column chunks, whose larger grid fills the GPU at small batch.
-#: On the H200 (benchmarks/topk_groups.py, K 64, vocab 163,840, 15 rows per request) two groups took 85.0 vs 89.4 us
-#: at batch 32 (9600 blocks) and 157.4 vs 173.8 at 64, but 51.8 vs 51.4 at 16 (4800) and 17.2 vs 16.1 at 1.
+#: Two groups are 5-10 % faster from batch 32 up (9600 blocks at K 64, vocab 163,840, 15 rows per request) and
+#: slower at batch 16 (4800 blocks) and below (benchmarks/topk_groups.py reproduces the comparison).
 #: SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS overrides it (A/B benchmarks; 0: always, a huge value: never).
 HIST_G2_MIN_BLOCKS = int(os.environ.get("SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS", "6000"))
 
@@ -90,8 +90,8 @@ def _check_k(k) -> int:
     k = int(k)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if k > MAX_K:
-        raise ValueError(f"k = {k} exceeds the GPU top-K limit {MAX_K} (the largest node budget)")
+    if k > MAX_BUDGET:
+        raise ValueError(f"k = {k} exceeds the GPU top-K limit {MAX_BUDGET} (the largest node budget)")
     return k
 
 
@@ -133,7 +133,7 @@ class TopKWorkspace:
         self.impl = IMPL if impl is None else impl
         if self.impl not in ("histogram", "cut"):
             raise ValueError(f"impl must be 'histogram' or 'cut', got {self.impl!r}")
-        self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_K)
+        self.max_rows, self.vocab, self.max_k = int(max_rows), int(vocab), min(int(max_k), MAX_BUDGET)
         self.chunks = -(-self.vocab // CHUNK_COLS)
         if self.impl == "histogram":
             # per row: a 12-bit key histogram (zero between calls: hist_select clears it after reading), each
@@ -290,7 +290,7 @@ def topk_logprobs(logits, k: int, *, workspace: TopKWorkspace | None = None, out
 
     Args:
         logits: ``[..., V]`` bf16 or fp32 CUDA tensor (``[bs, L, V]`` draft logits), contiguous along V.
-        k: requested K (the node budget), ``1 <= k <= MAX_K`` (``state.MAX_BUDGET``).
+        k: requested K (the node budget), ``1 <= k <= state.MAX_BUDGET``.
         workspace: preallocated ``TopKWorkspace`` (else one is allocated).
         out: optional ``(logprobs float32, ids int64)`` flat buffers of at least ``rows*K`` elements.
         error_flag: ``int32 [1]`` CUDA tensor receiving error bits (NaN 1, +inf 2, all -inf row 4).

@@ -10,13 +10,11 @@ next natural sync with ``raise_on_flag`` or pass ``check=True`` to sync and rais
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from sglang_kdtree.contract import Trees
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import (
-    MAX_K,
     TopKWorkspace,
     _check_k,
     _ptr,
@@ -27,7 +25,7 @@ from sglang_kdtree.gpu.topk import (
 )
 from sglang_kdtree.state import MAX_BUDGET
 
-__all__ = ["GpuTreeBatch", "build_trees", "build_trees_verify", "TreeBuilder", "MAX_DEPTH"]
+__all__ = ["build_trees", "build_trees_verify", "TreeBuilder", "MAX_DEPTH"]
 
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
@@ -59,28 +57,6 @@ def tree_smem_bytes(name: str, depth: int, ks: int) -> int:
     return (depth * (ks + 1) + 1) * 8
 
 
-@dataclass(frozen=True)
-class GpuTreeBatch:
-    """``reference.TreeBatch`` on the GPU: its fields (``tokens``, ``depths``, ``parents``, ``num_nodes``; same
-    shapes, dtypes and padding to ``N = budget + 1`` rows) as torch CUDA tensors, plus
-
-    Attributes:
-        ranks: ``[bs, N]`` int64 rank of each node within its depth's top-K (-1 root/padding).
-        scores: ``[bs, N]`` float64 path scores (0 root/padding), bit-identical to ``reference.build_tree``.
-    """
-
-    tokens: object
-    depths: object
-    parents: object
-    num_nodes: object
-    ranks: object
-    scores: object
-
-    @property
-    def width(self) -> int:
-        return int(self.tokens.shape[1])
-
-
 def _check_budget(budget) -> int:
     if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)):
         raise TypeError(f"budget must be an int, got {type(budget).__name__} {budget!r}")
@@ -93,7 +69,7 @@ def _check_budget(budget) -> int:
 def _alloc_tree(bs, width, device):
     import torch
 
-    return GpuTreeBatch(
+    return Trees(
         tokens=torch.empty((bs, width), dtype=torch.int64, device=device),
         depths=torch.empty((bs, width), dtype=torch.int64, device=device),
         parents=torch.empty((bs, width), dtype=torch.int64, device=device),
@@ -103,17 +79,18 @@ def _alloc_tree(bs, width, device):
     )
 
 
-def _slice_tree(t: GpuTreeBatch, bs, width) -> GpuTreeBatch:
+def _slice_tree(t: Trees, bs, width) -> Trees:
     """Views of a preallocated [max_bs, max_width] batch as a contiguous [bs, width] batch."""
 
     def v(x):
         return x.view(-1)[: bs * width].view(bs, width)
 
-    return GpuTreeBatch(v(t.tokens), v(t.depths), v(t.parents), t.num_nodes[:bs], v(t.ranks), v(t.scores))
+    return Trees(tokens=v(t.tokens), depths=v(t.depths), parents=v(t.parents), num_nodes=t.num_nodes[:bs],
+                 ranks=v(t.ranks), scores=v(t.scores))
 
 
-def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBatch | None = None,
-                error_flag=None, check: bool = False) -> GpuTreeBatch:
+def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: Trees | None = None,
+                error_flag=None, check: bool = False) -> Trees:
     """The exact best-first tree for every request, in one launch; twin of ``reference.build_trees``.
 
     Args:
@@ -121,14 +98,15 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
         token_ids: ``[bs, L, K]`` int64 CUDA.
         budget: node budget B (same for the batch), ``B <= MAX_BUDGET``; ``B <= 0`` or ``L == 0``: root only.
         root_tokens: ``[bs]`` int64 CUDA, each request's bonus token (node 0).
-        out: a preallocated ``GpuTreeBatch`` whose buffers hold at least ``bs * (B+1)`` rows (written as
+        out: a preallocated ``contract.Trees`` whose buffers hold at least ``bs * (B+1)`` rows (written as
             contiguous ``[bs, B+1]`` views); else one is allocated.
         error_flag: ``int32 [1]`` CUDA flag (``gpu.errors``: ERR_LOGPROB_NAN, ERR_LOGPROB_POSINF, ERR_UNSORTED,
             ERR_NEGATIVE_ID).
         check: sync and raise the reference's ``ValueError`` if the flag is set.
 
     Returns:
-        ``GpuTreeBatch`` of width ``N = max(B, 0) + 1``; nodes in pop order (score desc, then rank tuple).
+        ``contract.Trees`` of width ``N = max(B, 0) + 1`` with ``scores`` (bit-identical to
+        ``reference.build_tree``) and ``ranks``; nodes in pop order (score desc, then rank tuple).
     """
     t = _TreeLaunch(logprobs, token_ids, budget, root_tokens, out, error_flag)
     if t.bs:
@@ -139,9 +117,9 @@ def build_trees(logprobs, token_ids, budget: int, root_tokens, *, out: GpuTreeBa
 
 
 def build_trees_verify(logprobs, token_ids, budget: int, root_tokens, seq_lens, *, seq_lens_sum: int | None = None,
-                       out: GpuTreeBatch | None = None, out_verify=None, fill_prefix: bool = True, error_flag=None,
+                       out: Trees | None = None, out_verify=None, fill_prefix: bool = True, error_flag=None,
                        check: bool = False):
-    """``build_trees`` then ``gpu.verify.verify_inputs`` of its trees, ``(GpuTreeBatch, GpuVerifyInputs)``: in one
+    """``build_trees`` then ``gpu.verify.verify_inputs`` of its trees, ``(contract.Trees, contract.VerifyInputs)``: in one
     launch for budgets the sorted-list kernels take (``build_trees_verify_list1/2/4``: each request's block builds
     the tree, then derives the verify inputs from its nodes in parallel; further blocks fill the request's
     FULL_MASK prefix columns meanwhile), else (or with ``FUSE_VERIFY`` off) the two launches. Arguments as the two
@@ -198,8 +176,8 @@ class _TreeLaunch:
             raise ValueError(f"L = {depth} draft depths exceed the GPU limit {MAX_DEPTH}")
         if depth > 0 and k == 0:
             raise ValueError(f"logprobs has L={depth} depths but K=0 candidates")
-        if k > MAX_K:
-            raise ValueError(f"K = {k} candidates per depth exceed {MAX_K}; take top-K with K <= budget")
+        if k > MAX_BUDGET:
+            raise ValueError(f"K = {k} candidates per depth exceed {MAX_BUDGET}; take top-K with K <= budget")
         width = max(budget, 0) + 1
         dev = logprobs.device
         if out is None:
@@ -280,10 +258,10 @@ class TreeBuilder:
         return topk_logprobs(logits, k, workspace=self.topk_workspace, out=(self.logprobs, self.token_ids),
                              error_flag=self.error_flag)
 
-    def build(self, logprobs, token_ids, budget: int, root_tokens) -> GpuTreeBatch:
+    def build(self, logprobs, token_ids, budget: int, root_tokens) -> Trees:
         return build_trees(logprobs, token_ids, budget, root_tokens, out=self.trees, error_flag=self.error_flag)
 
-    def verify_inputs(self, trees: GpuTreeBatch, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
+    def verify_inputs(self, trees: Trees, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
         from sglang_kdtree.gpu.verify import verify_inputs
 
         return verify_inputs(trees, seq_lens, seq_lens_sum=seq_lens_sum, out=self.verify, fill_prefix=fill_prefix,
@@ -297,7 +275,7 @@ class TreeBuilder:
                                   error_flag=self.error_flag)
 
     def round(self, logits, budget: int, root_tokens, seq_lens, seq_lens_sum: int, fill_prefix: bool = True):
-        """Draft logits ``[bs, L, V]`` -> (``GpuTreeBatch``, ``GpuVerifyInputs``), all on the device.
+        """Draft logits ``[bs, L, V]`` -> (``contract.Trees``, ``contract.VerifyInputs``), all on the device.
 
         ``seq_lens_sum`` is the host-side ``sum(seq_lens)`` the scheduler already knows (SGLang's
         ``batch.seq_lens_sum``); it sizes the FULL_MASK without a sync.

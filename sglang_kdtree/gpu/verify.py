@@ -9,39 +9,17 @@ launcher reads the sum from the device (one sync, documented). A malformed tree 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from sglang_kdtree.contract import VerifyInputs
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.topk import _ptr, _require_cuda, new_error_flag, raise_on_flag
 from sglang_kdtree.state import MAX_WIDTH as _MAX_WIDTH
 
-__all__ = ["GpuVerifyInputs", "verify_inputs", "verify_outputs", "alloc_verify_inputs", "full_mask_numel"]
+__all__ = ["verify_inputs", "verify_outputs", "alloc_verify_inputs", "full_mask_numel"]
 
 _KERNEL = "verify_inputs.cu"
 _ROWS_PER_BLOCK = 8  # = VERIFY_WARPS in the kernel: one row per warp
-
-
-@dataclass(frozen=True)
-class GpuVerifyInputs:
-    """``reference.VerifyInputs`` on the GPU (torch CUDA tensors), batch of bs requests of width N.
-
-    Attributes:
-        input_ids: ``[bs*N]`` int64 ``[root, node_1..node_{N-1}]`` per request.
-        positions: ``[bs*N]`` int64 ``seq_len + depth``.
-        full_mask: ``[sum(seq_lens)*N + N*N*bs]`` bool FULL_MASK (prefix True, then ancestor-or-self).
-        ancestor_bits: ``[bs, N, ceil(N/32)]`` uint32 (stored as int32: torch has no uint32 arithmetic).
-        retrieve_index, retrieve_next_token, retrieve_next_sibling: ``[bs, N]`` int64.
-    """
-
-    input_ids: object
-    positions: object
-    full_mask: object
-    ancestor_bits: object
-    retrieve_index: object
-    retrieve_next_token: object
-    retrieve_next_sibling: object
 
 
 def full_mask_numel(seq_lens_sum: int, width: int, bs: int) -> int:
@@ -50,13 +28,13 @@ def full_mask_numel(seq_lens_sum: int, width: int, bs: int) -> int:
     return int(seq_lens_sum) * int(width) + int(width) * int(width) * int(bs)
 
 
-def alloc_verify_inputs(max_batch: int, max_width: int, max_mask_bytes: int, device) -> GpuVerifyInputs:
+def alloc_verify_inputs(max_batch: int, max_width: int, max_mask_bytes: int, device) -> VerifyInputs:
     """Buffers for up to ``max_batch`` requests of width ``max_width`` and a FULL_MASK of ``max_mask_bytes``."""
     import torch
 
     words = (max_width + 31) // 32
     n = max_batch * max_width
-    return GpuVerifyInputs(
+    return VerifyInputs(
         input_ids=torch.empty(n, dtype=torch.int64, device=device),
         positions=torch.empty(n, dtype=torch.int64, device=device),
         full_mask=torch.empty(max(int(max_mask_bytes), 0), dtype=torch.bool, device=device),
@@ -67,11 +45,11 @@ def alloc_verify_inputs(max_batch: int, max_width: int, max_mask_bytes: int, dev
     )
 
 
-def verify_views(out: GpuVerifyInputs, bs: int, width: int, mask_numel: int) -> GpuVerifyInputs:
+def verify_views(out: VerifyInputs, bs: int, width: int, mask_numel: int) -> VerifyInputs:
     """The views of ``out`` (``alloc_verify_inputs`` buffers) that ``verify_inputs`` returns for ``bs`` trees of
     width ``width`` and a FULL_MASK of ``mask_numel`` bytes (also how a replayed CUDA graph's result is read)."""
     n, words = bs * width, (width + 31) // 32
-    return GpuVerifyInputs(
+    return VerifyInputs(
         input_ids=out.input_ids[:n],
         positions=out.positions[:n],
         full_mask=out.full_mask[:mask_numel],
@@ -82,7 +60,7 @@ def verify_views(out: GpuVerifyInputs, bs: int, width: int, mask_numel: int) -> 
     )
 
 
-def verify_outputs(seq_lens, bs: int, width: int, seq_lens_sum, out: GpuVerifyInputs | None, dev) -> GpuVerifyInputs:
+def verify_outputs(seq_lens, bs: int, width: int, seq_lens_sum, out: VerifyInputs | None, dev) -> VerifyInputs:
     """Checks ``seq_lens`` (``[bs]`` int64 CUDA), ``seq_lens_sum`` and the width, and returns the views of ``out`` (or
     of new buffers) that verify inputs for ``bs`` trees of width ``width`` are written to (``verify_inputs`` and
     ``gpu.tree.build_trees_verify``)."""
@@ -115,12 +93,12 @@ def verify_outputs(seq_lens, bs: int, width: int, seq_lens_sum, out: GpuVerifyIn
     return verify_views(out, bs, width, mask_numel)
 
 
-def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: GpuVerifyInputs | None = None,
-                  fill_prefix: bool = True, error_flag=None, check: bool = False) -> GpuVerifyInputs:
+def verify_inputs(trees, seq_lens, *, seq_lens_sum: int | None = None, out: VerifyInputs | None = None,
+                  fill_prefix: bool = True, error_flag=None, check: bool = False) -> VerifyInputs:
     """Verify inputs for a batch of trees; twin of ``reference.verify_inputs``.
 
     Args:
-        trees: ``GpuTreeBatch`` (or any object with ``tokens``/``depths``/``parents`` ``[bs, N]`` int64 and
+        trees: ``contract.Trees`` (or any object with ``tokens``/``depths``/``parents`` ``[bs, N]`` int64 and
             ``num_nodes`` ``[bs]`` int64 CUDA tensors), N <= ``state.MAX_WIDTH``.
         seq_lens: ``[bs]`` int64 CUDA committed lengths P (the root sits at position P), >= 0.
         seq_lens_sum: host int ``sum(seq_lens)``; sizes the FULL_MASK without a sync (else one sync).

@@ -103,7 +103,7 @@ def base_server_args(model_path: Path, port: int) -> list[str]:
 # "-9" means SIGKILL. Neither our code nor SGLang's sends it to a child that is still starting, except the
 # launcher's own cleanup (``kill_process_tree``), which SIGKILLs the launcher right after its children, before
 # the watchdog can look; that path also logs the failure that caused it. On a small shared CI box the sender
-# is the kernel's OOM killer. Seen once in CI (stop 24, 2026-12-01): a third server's detokenizer, two up.
+# is the kernel's OOM killer (seen in CI: a third server's detokenizer, two servers up).
 _EXTERNAL_KILL = re.compile(r"Subprocess (\w+) \(pid=\d+\) crashed with exit code -9\b")
 
 

@@ -202,7 +202,7 @@ class CudaServer:
         """POST ``/freeze_gc``, the step SGLang itself runs after its warm-up requests so that the startup heap
         leaves the collected generations (scheduler, detokenizer, tokenizer). With ``--skip-server-warmup`` SGLang
         runs that step before the HTTP server accepts connections, and it fails ("post-warmup freeze_gc failed"
-        in every server log of the device runs up to session 8): those servers served with nothing frozen, unlike
+        in the server log): those servers served with nothing frozen, unlike
         a warmed-up production server. ``gc_frozen`` records whether this call succeeded."""
         try:
             req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST")

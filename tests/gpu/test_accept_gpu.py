@@ -82,12 +82,12 @@ def to_gpu(trees):
 
 def poisoned_out(bs, width, max_depth):
     torch = _torch()
-    from sglang_kdtree.gpu.accept import GPUAcceptResult
+    from sglang_kdtree.contract import AcceptResult
 
     def p(*shape):
         return torch.full(shape, POISON, dtype=torch.int64, device="cuda")
 
-    return GPUAcceptResult(
+    return AcceptResult(
         accepted=p(bs, max_depth + 1), accept_lens=p(bs), bonus=p(bs), committed=p(bs, width),
         new_seq_lens=p(bs), errors=p(bs),
     )

@@ -111,12 +111,13 @@ def test_invalid_paths_in_a_batch_end_only_their_own_rows():
 
 def _check_compact(kv_layers_np, plan_np, table_arg, torch_layers, errors_expected=0):
     """Apply ours on the GPU tensors and the reference on a numpy copy, compare bytes."""
-    from sglang_kdtree.gpu.compact import compact_kv, GPUCommitPlan
+    from sglang_kdtree.contract import CommitPlan
+    from sglang_kdtree.gpu.compact import compact_kv
 
     expect = kv_layers_np.copy()
     if errors_expected == 0:
         ref.compact_kv(expect, plan_np)
-    plan = GPUCommitPlan(
+    plan = CommitPlan(
         src_slots=cuda(plan_np.src_slots), dst_slots=cuda(plan_np.dst_slots), hidden_rows=cuda(plan_np.hidden_rows),
         accept_lens=cuda(plan_np.accept_lens), errors=_torch().zeros(1, dtype=_torch().int32, device="cuda"),
     )
