@@ -53,7 +53,7 @@ from marlin_moe_report import (  # noqa: E402  (gemm_weight_bytes: re-exported f
 
 SHAPES = {"tp8": (384, 7168, 256), "tp1": (384, 7168, 2048)}
 TOKENS = (1, 8, 32, 65, 130, 260, 520, 2080)
-VERIFY_TOKENS = (130, 520, 2080)  # tree verify of batch 2 / 8 / 32 x N 65 (issue 15, item 3)
+VERIFY_TOKENS = (130, 520, 2080)  # tree verify of batch 2 / 8 / 32 x N 65
 TOP_K = 8
 FACTOR = 2.827  # Kimi K2's routed_scaling_factor
 ROTATE = 8

@@ -14,7 +14,7 @@ GROUP = 32  # INT4 scale group along the input dimension
 BF16_PEAK_FLOPS = 989e12
 GLUE_STAGES = ("align", "silu", "topk_sum")  # every stage of fused_moe_marlin but the two Marlin GEMMs
 GEMM_STAGES = ("gemm1", "gemm2")
-GLUE_FLAG_SHARE = 0.10  # issue 15: improve the glue where it is more than 10 % of the call
+GLUE_FLAG_SHARE = 0.10  # the glue is worth improving where it is more than 10 % of the call
 
 
 def expert_bytes(K: int, N: int, group: int = GROUP) -> int:

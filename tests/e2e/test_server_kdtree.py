@@ -169,7 +169,7 @@ def test_abort_mid_flight_leaves_the_server_exact(kdtree_server, greedy_results)
 
 
 def test_service_healthcheck_passes_against_the_kdtree_server_and_fails_on_a_closed_port(kdtree_server):
-    """service/healthcheck.sh, the gate of the systemd upgrade (issue 8), against the real KDTREE server."""
+    """service/healthcheck.sh, the gate of the systemd upgrade, against the real KDTREE server."""
     script = str(REPO / "service" / "healthcheck.sh")
     ok = subprocess.run([script, "--url", kdtree_server.url, "--timeout", "60", "--prompt", "a b c"],
                         capture_output=True, text=True, timeout=420)
@@ -321,8 +321,8 @@ def test_round_oom_twice_ends_its_batch_and_the_server_continues(plain_server, k
                                     {"temperature": 1.0, "min_p": 1.0}])
 def test_top_p_and_top_k_filter_the_tree_accept(kdtree_server, greedy_results, params):
     """T = 1 with top_p ~ 0, top_k 1 or min_p 1 (only tokens tied with the max; the tiny targets' logits have
-    no such ties) leaves only the argmax: the plain server then answers greedily, and so must KDTREE (before
-    the accept applied the filters it sampled at T = 1: 7 of 24 greedy on the tiny Llama)."""
+    no such ties) leaves only the argmax: the plain server then answers greedily, and so must KDTREE (an accept
+    that ignored the filters would sample at T = 1)."""
     plain, _ = greedy_results
     got = _concurrent(kdtree_server, [{"input_ids": p, "sampling_params": {"max_new_tokens": NEW_TOKENS, **params}}
                                       for p in PROMPTS])
