@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us, graph_replay_us
-from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel, synthetic_inputs
+from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel
+from sglang_kdtree.gpu.mla_reference import synthetic_inputs
 
 GRID_BATCH = (1, 8, 32)
 GRID_CONTEXT = (4096, 16384, 65536)

@@ -9,8 +9,9 @@ come from HBM, not the 50 MB L2, as in the real 61-layer forward:
 * MLA projections per layer: fused q_a + kv_a (7168 -> 1536 + 576, replicated), q_b (1536 -> 8 x 192), the
   absorbed kv_b halves as batched matmuls over the 8 local heads (128 -> latent 512; latent 512 -> v 128), o_proj
   (8 x 128 -> 7168); RMSNorms over 7168 (two), 1536 and 512 with ``torch.nn.functional.rms_norm``.
-* tree-verify attention: ``sglang_kdtree.gpu.mla_attention.mla_tree_verify`` on ``synthetic_inputs``, 8 heads,
-  every request at the given context (AR: the same kernel at width 1, a stand-in for SGLang's decode attention).
+* tree-verify attention: ``sglang_kdtree.gpu.mla_attention.mla_tree_verify`` on ``mla_reference.synthetic_inputs``,
+  8 heads, every request at the given context (AR: the same kernel at width 1, a stand-in for SGLang's decode
+  attention).
 * routed MoE: ``sglang_kdtree.moe.forward.fused_moe_marlin`` at bench_marlin_moe's ``tp8`` shape (384 experts,
   hidden 7168, intermediate 256, top 8), uniform random routings rotated over ``ROTATE`` draws; where Marlin's JIT
   modules are not ready within ``--marlin-prep-s`` (seeded from ``.dev-carry/jit`` or ``.jitcache/sm90a`` if
@@ -331,6 +332,7 @@ class _Bench:
         import torch
 
         from sglang_kdtree.gpu import mla_attention as mla
+        from sglang_kdtree.gpu.mla_reference import synthetic_inputs
 
         if self.device == "cuda":
             mla.prepare("cuda")
@@ -339,7 +341,7 @@ class _Bench:
         copies = max(1, min(16, math.ceil((128 << 20) / case_bytes)))  # small cases: more than the L2 in all
         fns = []
         for i in range(copies):
-            c = mla.synthetic_inputs(bs, width, m.heads_gpu, [ctx] * bs, seed=i, device=self.device, spare_slots=0)
+            c = synthetic_inputs(bs, width, m.heads_gpu, [ctx] * bs, seed=i, device=self.device, spare_slots=0)
             out = torch.empty((bs * width, m.heads_gpu, mla.KV_LORA_RANK), dtype=torch.bfloat16, device=self.device)
             lse = torch.empty((bs * width, m.heads_gpu), dtype=torch.float32, device=self.device)
             args = (c["q"], c["kv_buffer"], c["kv_indptr"], c["kv_indices"], c["tree_slots"], c["ancestor_bits"],

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from sglang_kdtree import reference as R
-from sglang_kdtree.gpu.mla_attention import ancestor_bits_from_parents, choose_num_splits
+from sglang_kdtree.gpu.mla_attention import choose_num_splits
+from sglang_kdtree.gpu.mla_reference import ancestor_bits_from_parents
 
 
 @pytest.mark.parametrize("width, num_nodes", [(1, [0]), (33, [32, 3, 0]), (70, [69, 40])])

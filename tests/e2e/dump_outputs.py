@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import start_server  # noqa: E402
 import make_tiny_models  # noqa: E402
-from test_server_kdtree import PROMPTS, _kdtree_args  # noqa: E402
+from server_requests import PROMPTS, _kdtree_args  # noqa: E402
 
 
 def _run(server, payloads):

@@ -31,7 +31,7 @@ import pytest
 
 from conftest import start_server
 import make_tiny_models as tiny
-from test_server_kdtree import NEW_TOKENS, PROMPTS, _concurrent, _generate_or_error, _greedy, _kdtree_args
+from server_requests import NEW_TOKENS, PROMPTS, _concurrent, _generate_or_error, _greedy, _kdtree_args
 
 # One target is enough here: what is exercised is SGLang's request handling around the KDTREE round.
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]

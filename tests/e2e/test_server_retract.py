@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import start_server
-from test_server_kdtree import PROMPTS, _concurrent, _greedy, _kdtree_args
+from server_requests import PROMPTS, _concurrent, _greedy, _kdtree_args
 
 # One target suffices: retraction and re-prefill are the scheduler's, the same for MHA and MLA pools (the tiny
 # DeepSeek-V3 was also identical, 18 retractions, in a one-off run).

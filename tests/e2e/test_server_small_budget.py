@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import start_server
-from test_server_kdtree import PROMPTS, _concurrent, _greedy, _kdtree_args
+from server_requests import PROMPTS, _concurrent, _greedy, _kdtree_args
 
 # One target suffices for the reservation geometry.
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from conftest import start_server
-from test_server_kdtree import PROMPTS, _concurrent, _greedy
+from server_requests import PROMPTS, _concurrent, _greedy
 
 pytestmark = pytest.mark.slow
 

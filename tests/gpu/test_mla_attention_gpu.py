@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_kdtree.gpu.mla_attention import (
-    mla_tree_verify,
-    mla_tree_verify_paged,
-    mla_tree_verify_reference,
-    synthetic_inputs,
-)
+from sglang_kdtree.gpu.mla_attention import mla_tree_verify, mla_tree_verify_paged
+from sglang_kdtree.gpu.mla_reference import mla_tree_verify_reference, synthetic_inputs
 
 pytestmark = pytest.mark.gpu
 
