@@ -28,7 +28,6 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 # stand-in satisfies those imports; its stubs raise if an op is ever called (our path uses JIT kernels only).
 python3 -c "import sgl_kernel" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/tests/e2e/sgl_kernel_stub
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" >> "$OUT/install.log"
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit
 export MAX_JOBS=16
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1

@@ -20,7 +20,6 @@ step "install the carried wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-carry/whl/*.whl \
   > "$OUT/install.log" 2>&1 || echo "wheel install rc=$? (see install.log)"
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit-marlin
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"

@@ -9,7 +9,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-carry/whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
 if [ -n "${UNIT_TESTS:-}" ]; then
   # shellcheck disable=SC2086
@@ -21,7 +20,8 @@ timeout 240 python3 benchmarks/round_parts.py --batches ${BATCHES:-1 8 32} --jso
 if [ -n "${AB_COMMIT:-}" ]; then
   # the same parts from an older commit's kernels and launchers, in the same call (ratios)
   rm -rf /tmp/ab_old && git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$OUT/ab_worktree.log" 2>&1
-  ( cd /tmp/ab_old && ln -sfn ../kernels sglang_kdtree/_kernels 2>/dev/null
+  # a commit with the kernels at the top level reaches them through the link sglang_kdtree/_kernels
+  ( cd /tmp/ab_old && { [ ! -d kernels ] || ln -sfn ../kernels sglang_kdtree/_kernels; }
     # shellcheck disable=SC2086
     PYTHONPATH=/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda timeout 240 python3 \
       "$OLDPWD/benchmarks/round_parts.py" --batches ${BATCHES:-1 8 32} > "$OUT/parts_old_$AB_COMMIT.log" 2>&1 )

@@ -61,7 +61,6 @@ fi
 step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 # SGLang finds the plugin only through the installed package's entry point (PYTHONPATH alone is not enough)
 PLUGIN_CHECK="
 from importlib.metadata import entry_points
@@ -145,12 +144,15 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
     step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json" ${PARTS_ARGS:-}
   if [ -n "${AB_COMMIT:-}${AB_DIR:-}" ]; then
     rm -rf /tmp/ab_old
-    if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree kernels tests/e2e)
+    if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree tests/e2e; also kernels for
+      # a commit that keeps them at the top level)
       cp -a "$AB_DIR" /tmp/ab_old
     else
       git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
     fi
-    ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
+    # a commit with the kernels at the top level reaches them through the link sglang_kdtree/_kernels (an
+    # AB_DIR copy may have lost it)
+    [ ! -d /tmp/ab_old/kernels ] || ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
     CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda" \
       step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32 ${PARTS_ARGS:-}
   fi

@@ -26,12 +26,12 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_wheel_ships_every_kernel_source_and_patch(wheel):
     names = set(wheel.namelist())
-    sources = sorted(ROOT.glob("kernels/**/*.cu")) + sorted(ROOT.glob("kernels/**/*.cuh"))
+    sources = sorted(ROOT.glob("sglang_kdtree/kernels/**/*.cu")) + sorted(ROOT.glob("sglang_kdtree/kernels/**/*.cuh"))
     assert any(cu.parent.name == "moe" for cu in sources)  # kernels in subfolders are covered too
     for cu in sources:
-        rel = cu.relative_to(ROOT / "kernels").as_posix()
-        assert f"sglang_kdtree/_kernels/{rel}" in names, f"kernels/{rel} is missing from the wheel"
-    for py in sorted(ROOT.glob("patches/*.py")):
+        rel = cu.relative_to(ROOT / "sglang_kdtree" / "kernels").as_posix()
+        assert f"sglang_kdtree/kernels/{rel}" in names, f"sglang_kdtree/kernels/{rel} is missing from the wheel"
+    for py in sorted(ROOT.glob("sglang_kdtree/patches/*.py")):
         assert f"sglang_kdtree/patches/{py.name}" in names, f"patch {py.name} is missing from the wheel"
     for py in sorted(ROOT.glob("sglang_kdtree/**/*.py")):
         rel = py.relative_to(ROOT).as_posix()
