@@ -4,16 +4,16 @@
 # $OUT gets steps.txt, table.txt, summary.json, logs.tar.gz (every step and server log, round logs) and
 # jitcache-server.tar.gz; a short table prints last.
 #
-# The call, from the repo root, after `python benchmarks/device_carry.py` (which packs .whl / .whl-server from
+# The call, from the repo root, after `python device/device_carry.py` (which packs .whl / .whl-server from
 # ../shared/device/fetch-sglang-wheels.sh, slimmed, with the prebuilt Marlin JIT modules of .jitcache/sm90a,
 # .jitcache-server's tarball and .tiny_models into one 51 MiB folder):
-#   run(command="KIMI=1 bash benchmarks/device_server.sh", carry=[".dev-carry"], timeout_s=600,
+#   run(command="KIMI=1 bash device/device_server.sh", carry=[".dev-carry"], timeout_s=600,
 #       kind="nvidia-h200-x2")
 # Without .dev-carry it falls back to carrying .whl and .whl-server (57.5 MiB; then no room for the Marlin JIT
 # modules: the Kimi-shaped servers compile them for minutes) and builds the tiny models here (about a minute).
 # The call that ran the submitted code (benchmarks/RESULTS.md, "Session 3"):
 #   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
-#   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
+#   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash device/device_server.sh
 # Knobs: JIT_SEED_WHICH (prebuild_jit.py --which for the seed; default plain,glue,kdtree: a module the seed lacks is
 #   compiled, minutes each; repack,kdtree for a seed made by JIT_EXPORT's default), BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
 #   SGLANG_KDTREE_MOE=marlin), BENCH_ARGS (more bench_server.py options, e.g. "--widths 16,32,48,64"),
@@ -51,7 +51,7 @@ step() {
   return $rc
 }
 
-# .dev-carry (benchmarks/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
+# .dev-carry (device/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
 if [ -d .dev-carry/whl ]; then
   WHEELS=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; JIT_SERVER=.dev-carry
   [ -d .dev-carry/tiny_models ] && export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.dev-carry/tiny_models}
@@ -83,7 +83,7 @@ fi
 # JIT_EXPORT=1: build SGLang's JIT modules of JIT_WHICH (prebuild_jit.py --which; default repack,kdtree: what
 # SGLANG_KDTREE_MOE=marlin servers and kimi_round's Marlin piece load; one Marlin module is about 6 minutes of nvcc)
 # for sm_90a in the background, into the servers' JIT cache, and bring them back as $OUT/jit-sm90a.tar.gz (unpack
-# into .jitcache/sm90a: benchmarks/device_carry.py packs it)
+# into .jitcache/sm90a: device/device_carry.py packs it)
 if [ -n "${JIT_EXPORT:-}" ]; then
   ( step jit_export 560 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
       python3 tests/e2e/prebuild_jit.py --which "${JIT_WHICH:-repack,kdtree}" --export /tmp/jit-sm90a \
@@ -109,7 +109,7 @@ import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), l
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$LOGS/commit.txt"
+bash device/commit_stamp.sh > "$LOGS/commit.txt"
 export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)

@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" >> "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/gpu/test_accept_gpu.py tests/gpu/test_compact_gpu.py tests/test_accept_boundary.py} \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
