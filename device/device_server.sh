@@ -32,7 +32,7 @@
 #   `git archive <commit> sglang_kdtree kernels tests/e2e/sgl_kernel_cuda` export instead; PARTS_ARGS=--trace adds
 #   each step graph's kernels and the gaps between them), SHORT_STARTUP_OK=1 (run the tests / probe even when
 #   the servers would get under 120 s to start, which they need here; otherwise those are skipped), KIMI_ROUND=1
-#   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
+#   (python -m benchmarks.kimi_round on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
@@ -206,13 +206,13 @@ unset CUDA_VISIBLE_DEVICES
 [ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
 # with PARALLEL, PARTS runs on GPU 0 after the tests / probe and the bench
 [ -n "${PARTS_AFTER:-}" ] && run_parts 0
-# KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after everything else
+# KIMI_ROUND=1: python -m benchmarks.kimi_round (the measured Kimi K2.6 round model) on GPU 0 after everything else
 if [ -n "${KIMI_ROUND:-}" ]; then
   KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
   # (the stand-in on the path: the Marlin MoE piece and round_parts' bookkeeping import sgl_kernel; without it
   # both fail here and the MoE is timed on the bf16 fallback: session 16)
   [ "$KR_S" -gt 40 ] && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-    step kimi_round $(( KR_S + 20 )) python3 benchmarks/kimi_round.py --deadline $(( KR_S - 15 )) \
+    step kimi_round $(( KR_S + 20 )) python3 -m benchmarks.kimi_round --deadline $(( KR_S - 15 )) \
     --json "$LOGS/kimi_round.json"
 fi
 
