@@ -1,7 +1,7 @@
 """Greedy accept over bf16 or fp32 logits: the cluster geometry swept (blocks per request, threads, loads in flight).
 
-``kernels/tree_accept.cu``'s lazy greedy walk reads one vocabulary row per accepted step, split over a cluster of
-GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
+``sglang_kdtree/kernels/tree_accept.cu``'s lazy greedy walk reads one vocabulary row per accepted step, split over a
+cluster of GREEDY_CLUSTER blocks. A variant ``CxTxL`` is compiled with ``-D`` overrides of GREEDY_CLUSTER (C) and
 GREEDY_LOADS (L) (the launch bound GREEDY_THREADS is 512, or T when larger), launched with T threads per block,
 checked against ``reference.accept_greedy`` (accepted paths identical), and timed as a CUDA graph of back-to-back
 calls (device time); "default" is the launcher's own choice (``gpu.accept._greedy_threads``). Trees: real best-first

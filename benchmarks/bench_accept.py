@@ -1,4 +1,4 @@
-"""Accept walk: ours (kernels/tree_accept.cu) vs SGLang's verify_tree_greedy (one thread per request).
+"""Accept walk: ours (sglang_kdtree/kernels/tree_accept.cu) vs SGLang's verify_tree_greedy (one thread per request).
 
 Two comparisons per (batch, N):
 * ids: both get the target's argmax ids [bs, N] (what verify_tree_greedy consumes);

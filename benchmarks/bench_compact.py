@@ -1,5 +1,5 @@
 """KV compaction of an MLA pool (61 layers x [slots, 1, 576] bf16, Kimi-K2 / DeepSeek-V3 geometry):
-ours (kernels/kv_compact.cu, all layers in one launch) vs the per-layer indexed copy of SGLang's
+ours (sglang_kdtree/kernels/kv_compact.cu, all layers in one launch) vs the per-layer indexed copy of SGLang's
 MLATokenToKVPool.move_kv_cache (`kv[tgt] = kv[src]` for each layer, all tau pairs) and vs the bandwidth
 floor: bytes that must move (read + write of every row whose slot changes, every layer) over the
 device-to-device copy bandwidth measured in the same run.

@@ -1,6 +1,6 @@
 """MLA tree-verify attention: ours (the kernel the server runs, ``mla_attention.resolve_kernel``: on an H200 the
-wgmma kernel kernels/mla_tree_verify_wgmma.cu), the previous mma.sync kernel (kernels/mla_tree_verify.cu, "mma"),
-SGLang's Triton extend attention with a custom mask
+wgmma kernel sglang_kdtree/kernels/mla_tree_verify_wgmma.cu), the previous mma.sync kernel
+(sglang_kdtree/kernels/mla_tree_verify.cu, "mma"), SGLang's Triton extend attention with a custom mask
 (``sglang.kernels.ops.attention.extend_attention.extend_attention_fwd``, the triton backend's TARGET_VERIFY path
 for absorbed MLA), plain torch, and the roofline measured in the same run: ``max(bytes / HBM bandwidth, FLOPs /
 bf16 tensor rate)`` with the bandwidth from a 1 GiB device copy and the rate from a bf16 8192^3 matmul.

@@ -104,7 +104,8 @@ def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: boo
             args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]
         if baselines_overlap:  # SGLang's default, as users run plain and DFLASH
             args.remove("--disable-overlap-schedule")
-    if kind == "kdtree-check":  # SGLANG_KDTREE_MLA=check compares eager calls only (patches/mla_tree_verify.py)
+    # SGLANG_KDTREE_MLA=check compares eager calls only (sglang_kdtree/patches/mla_tree_verify.py)
+    if kind == "kdtree-check":
         args.append("--disable-cuda-graph")
     return args
 

@@ -34,12 +34,9 @@ import math
 import signal
 import sys
 import time
-from pathlib import Path
 
-from kimi_model import DRAFT_PIECES, KIMI, VERIFY_PIECES, RoundConfig, key
+from benchmarks.kimi_model import DRAFT_PIECES, KIMI, VERIFY_PIECES, RoundConfig, key
 from sglang_kdtree.bench_timing import cuda_time_us
-
-HERE = Path(__file__).resolve().parent
 
 
 class DeadlineExceeded(BaseException):
@@ -95,12 +92,11 @@ def _oneline(exc: BaseException, limit: int = 300) -> str:
 
 
 def _import_bench(name: str):
-    """A sibling benchmark module (``bench_marlin_moe``, ``round_parts``) by import."""
+    """A sibling benchmark module (``bench_marlin_moe``, ``round_parts``), imported when its piece is timed (it
+    pulls torch and SGLang)."""
     import importlib
 
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    return importlib.import_module(name)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 L2_FLUSH_BYTES = 256 << 20  # weights a piece rotates over: well past the H200's 50 MB L2

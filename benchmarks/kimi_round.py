@@ -1,11 +1,11 @@
 """A measured model of one Kimi K2.6 decode round at TP 8, per GPU: AR vs DFLASH (chain) vs KDTREE (DDTree) at
 fixed node budgets and at the verify width the server would choose (KDTREE-auto).
 
-    python benchmarks/kimi_round.py [--batches 1 8 32 64] [--contexts 4096 16384] [--budgets 15 31 47 63]
+    python -m benchmarks.kimi_round [--batches 1 8 32 64] [--contexts 4096 16384] [--budgets 15 31 47 63]
         [--tau-curve B=TAU ... | --tau-curve-json FILE | --accept-kdtree TAU] [--tau-anchor-budget 64]
         [--accept-dflash TAU] [--deadline 240] [--json OUT] [--from-json IN] [--bookkeeping-us [BS=]TREE,ACCEPT ...]
     python -m sglang_kdtree bench --kimi-round [same options]
-    python benchmarks/plot_kimi_round.py OUT.json OUT.png
+    python -m benchmarks.plot_kimi_round OUT.json OUT.png
 
 Every piece of the round is timed on the GPU at Kimi K2.6's per-GPU shapes (``kimi_measure.py`` says how) at token
 counts T = batch x verify width (AR 1, DFLASH the drafter block 16, KDTREE-B B + 1), then the round is assembled
@@ -41,19 +41,15 @@ import signal
 import sys
 from pathlib import Path
 
+from benchmarks import kimi_model  # tests reach the arithmetic as kimi_round.kimi_model
+from benchmarks.kimi_measure import DeadlineExceeded, _oneline, measure
+from benchmarks.kimi_model import (AUTO, DEFAULT_ANCHOR_BUDGET, DEFAULT_BUDGETS, PAPER_ACCEPT_DFLASH,
+                                   PAPER_CURVE_SOURCE, PAPER_SWEEP, PAPER_SWEEP_DFLASH, VERIFY_PIECES, DrafterShape,
+                                   Network, RoundConfig, TauCurve, assemble, check_targets, key, load_tau_curve_json,
+                                   moonshot_verdict, needed_tokens, paper_curve, parse_tau_curve, summarize)
 from sglang_kdtree.state import MAX_BUDGET
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-if str(HERE) not in sys.path:  # the sibling modules, also when this file is loaded by path (bench --kimi-round)
-    sys.path.insert(0, str(HERE))
-
-import kimi_model  # noqa: E402  (tests reach the arithmetic as kimi_round.kimi_model)
-from kimi_measure import DeadlineExceeded, _oneline, measure  # noqa: E402
-from kimi_model import (AUTO, DEFAULT_ANCHOR_BUDGET, DEFAULT_BUDGETS, PAPER_ACCEPT_DFLASH,  # noqa: E402
-                        PAPER_CURVE_SOURCE, PAPER_SWEEP, PAPER_SWEEP_DFLASH, VERIFY_PIECES, DrafterShape, Network,
-                        RoundConfig, TauCurve, assemble, check_targets, key, load_tau_curve_json, moonshot_verdict,
-                        needed_tokens, paper_curve, parse_tau_curve, summarize)
+REPO = Path(__file__).resolve().parents[1]  # the checkout, where the device carries sit (default_marlin_seed)
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
 
@@ -271,7 +267,7 @@ def default_marlin_seed():
     return None
 
 
-def parser(prog: str = "python benchmarks/kimi_round.py") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="batch sizes (requests per round)")
@@ -334,7 +330,7 @@ def _saved_grid(args, saved: dict, given: set) -> None:
             setattr(args, name, value)
 
 
-def main(argv=None, prog: str = "python benchmarks/kimi_round.py") -> int:
+def main(argv=None, prog: str = "python -m benchmarks.kimi_round") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = parser(prog)
     args = p.parse_args(argv)

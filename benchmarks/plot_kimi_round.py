@@ -1,7 +1,7 @@
 """Tokens/s per request against verify width from a ``kimi_round.py --json`` file: one panel per (batch, context),
 the fixed KDTREE budgets as a line, DFLASH and AR as horizontal lines, KDTREE-auto's chosen width marked.
 
-    python benchmarks/plot_kimi_round.py ROUND.json OUT.png
+    python -m benchmarks.plot_kimi_round ROUND.json OUT.png
 
 Needs matplotlib, which the package does not depend on; without it the script says so and exits 2 (the same
 figures are in the kimi_round report's summary table).
@@ -88,7 +88,7 @@ def pyplot(prog: str, where: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/plot_kimi_round.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot_kimi_round", description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="a kimi_round.py --json output")
     p.add_argument("png", help="the PNG to write")
     args = p.parse_args(argv)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         return 2
     if not rows:
         print(f"plot_kimi_round: {args.json} holds no rows (its report failed?); re-assemble them with "
-              f"python benchmarks/kimi_round.py --from-json {args.json} --json NEW.json", file=sys.stderr)
+              f"python -m benchmarks.kimi_round --from-json {args.json} --json NEW.json", file=sys.stderr)
         return 2
     plot(panels(rows), args.png, plt)
     print(f"plot_kimi_round: wrote {args.png}")

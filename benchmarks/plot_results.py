@@ -1,6 +1,6 @@
 """The PNGs of benchmarks/RESULTS.md, drawn from the benchmarks' JSON.
 
-    python benchmarks/plot_results.py --bench DIR/bench.json [--kimi kimi_round.json] --out DIR
+    python -m benchmarks.plot_results --bench DIR/bench.json [--kimi kimi_round.json] --out DIR
 
 * ``--bench``: ``bench_server.py``'s ``bench.json`` (``table``: batch -> server kind -> ``{"tok_s_per_request",
   ...}``) -> ``OUT/server_tok_s.png``: tokens/s per request against batch, one line per kind (plain, DFLASH and
@@ -19,8 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_kimi_round, beside this file
-import plot_kimi_round  # noqa: E402
+from benchmarks import plot_kimi_round
 
 #: the baselines' line styles; every other kind (kdtree, kdtree-64, kdtree-auto, ...) is a KDTREE line
 BASELINES = {"plain": ("plain (autoregressive)", "tab:gray", "s--"), "dflash": ("DFLASH", "tab:orange", "^--")}
@@ -89,7 +88,7 @@ def _load(path: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/plot_results.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot_results", description=__doc__.split("\n\n")[0])
     p.add_argument("--bench", default=None, metavar="JSON", help="bench_server.py's bench.json")
     p.add_argument("--kimi", default=None, metavar="JSON", help="a kimi_round.py --json output")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs (created if missing)")
@@ -109,7 +108,7 @@ def main(argv=None) -> int:
             rows = data.get("rows") if isinstance(data, dict) else None
             if not rows:
                 raise PlotError("no 'rows' (is it a kimi_round.py --json output? re-assemble a failed report with "
-                                "python benchmarks/kimi_round.py --from-json IN --json NEW.json)")
+                                "python -m benchmarks.kimi_round --from-json IN --json NEW.json)")
             try:
                 cells = plot_kimi_round.panels(rows)
             except (KeyError, TypeError, AttributeError) as exc:

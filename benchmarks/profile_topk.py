@@ -1,5 +1,5 @@
 """One top-K + lse call on peaked bf16 draft logits [bs, 15, 163840], for a profiler (ncu / nsys) to time
-kernel by kernel: two warm-up calls first, then ``--calls`` profiled ones. Used by benchmarks/device_ncu.sh.
+kernel by kernel: two warm-up calls first, then ``--calls`` profiled ones. Used by device/device_ncu.sh.
 
     python benchmarks/profile_topk.py [--bs 32] [--k 64] [--impl histogram] [--calls 1]
 """

@@ -78,7 +78,8 @@ def stamped_source(text: str, name: str) -> str:
     text = text.replace(include, include + "\n" + HEAD, 1)
     first, rest = end.split("\n", 1)
     text = text.replace(body, stamped_body(body)).replace(end, first + "\n" + END_STAMP + rest)
-    return f"// kernels/*.cuh sha256 {runtime.headers_digest()}\n" + text  # the digest line, as compile_source writes it
+    # the digest line, as compile_source writes it
+    return f"// sglang_kdtree/kernels/*.cuh sha256 {runtime.headers_digest()}\n" + text
 
 
 def run_copy(text, name, lp, ids, bs):

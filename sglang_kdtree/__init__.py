@@ -1,6 +1,6 @@
 """sglang-kdtree: DDTree speculative decoding for SGLang (``--speculative-algorithm kdtree``).
 
-The DDTree semantics live in ``sglang_kdtree.reference`` (numpy); the GPU kernels in ``kernels/*.cu`` with
+The DDTree semantics live in ``sglang_kdtree.reference`` (numpy); the GPU kernels in ``sglang_kdtree/kernels/*.cu`` with
 their launchers in ``sglang_kdtree.gpu``; SGLang registration in ``sglang_kdtree.plugin``.
 
 Names: DDTree is the published algorithm (a draft tree from a block drafter's per-depth distributions, verified

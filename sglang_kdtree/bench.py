@@ -7,8 +7,8 @@ realistic peaked distributions (``synthetic_draft_logits``), for a grid of batch
   visibility, mask build, accept) and says plainly that the GPU columns need a GPU.
 * With a GPU: also runs ``sglang_kdtree.bench_gpu.run_gpu_bench`` (the service's CPU-heap path against our
   CuPy kernels, from the same run) and prints its table.
-* ``--kimi-round``: instead, the measured model of one Kimi K2.6 decode round at TP 8 (``benchmarks/
-  kimi_round.py`` of a source checkout; every other option is then its own: ``--kimi-round --help``).
+* ``--kimi-round``: instead, the measured model of one Kimi K2.6 decode round at TP 8 (``benchmarks.kimi_round``
+  of a source checkout, run from its root; every other option is then its own: ``--kimi-round --help``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -161,30 +160,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="untimed CPU rounds per configuration before the timed ones")
     p.add_argument("--cpu-only", action="store_true", help="skip the GPU table even where a GPU exists")
     p.add_argument("--kimi-round", action="store_true",
-                   help="instead: the measured Kimi K2.6 TP 8 decode-round model (benchmarks/kimi_round.py). Needs "
+                   help="instead: the measured Kimi K2.6 TP 8 decode-round model (benchmarks.kimi_round of a source "
+                        "checkout, run from its root). Needs "
                         "a CUDA GPU to time its pieces; without one it can only re-assemble a saved GPU run "
                         "(--from-json). The other options are then its own (--kimi-round --help)")
     return p
 
 
-def load_kimi_round():
-    """``benchmarks/kimi_round.py`` of this source checkout, imported once as the module ``kimi_round``."""
-    import importlib.util
+class NeedsCheckout(ImportError):
+    """``--kimi-round`` asked for where the checkout's ``benchmarks`` package does not import."""
 
-    if "kimi_round" in sys.modules:
-        return sys.modules["kimi_round"]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kimi_round.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --kimi-round needs a source checkout of sglang-kdtree")
-    spec = importlib.util.spec_from_file_location("kimi_round", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kimi_round"] = module
+
+def load_kimi_round():
+    """The Kimi round model, ``benchmarks.kimi_round``: a module of the source checkout (importable from its root),
+    not of the installed package. Raises ``NeedsCheckout`` saying so where it does not import."""
+    import importlib
+
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["kimi_round"]
-        raise
-    return module
+        return importlib.import_module("benchmarks.kimi_round")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.kimi_round"):
+            raise  # the model itself lacks a dependency: that error says which
+        raise NeedsCheckout(
+            "--kimi-round needs a source checkout of sglang-kdtree (the Kimi round model is its benchmarks "
+            "package, which the installed package does not ship); from the checkout's root run "
+            "`python -m benchmarks.kimi_round [options]` or `python -m sglang_kdtree bench --kimi-round [options]`"
+        ) from exc
 
 
 def main(argv=None) -> int:
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     if "--kimi-round" in argv:
         try:
             kimi_round = load_kimi_round()
-        except FileNotFoundError as exc:
+        except NeedsCheckout as exc:
             print(f"python -m sglang_kdtree bench: {exc}", file=sys.stderr)
             return 2
         return kimi_round.main([a for a in argv if a != "--kimi-round"],

@@ -2,7 +2,7 @@
 
 Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure followed by ``fix:``):
 
-1. the package: where ``sglang_kdtree`` is imported from, and that its ``patches`` and ``_kernels``
+1. the package: where ``sglang_kdtree`` is imported from, and that its ``patches`` and ``kernels``
    subpackages resolve there (a checkout and an installed wheel must look the same); which copy that is
    (``doctor_install.py``): the installed one, a checkout on ``sys.path`` that shadows it, or a checkout whose
    stale ``*.egg-info`` is the only ``kdtree`` entry point (a failure: SGLang's server would not load the plugin);
@@ -14,8 +14,8 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
    (``pkgutil.resolve_name``);
 5. CuPy and the GPU (a machine without a GPU is a warning unless ``--require-gpu``: it can run the CPU
    reference and the tests, not a CUDA server);
-6. a kernel compile: every ``kernels/*.cu`` through NVRTC, loaded on the GPU where there is one (a kernel built
-   for an architecture-specific target, ``runtime.ARCH_SPECIFIC``, only on that GPU), else a front-end compile for
+6. a kernel compile: every ``sglang_kdtree/kernels/*.cu`` through NVRTC, loaded on the GPU where there is one (a kernel
+   built for an architecture-specific target, ``runtime.ARCH_SPECIFIC``, only on that GPU), else a front-end compile for
    ``--arch`` (or that kernel's own target);
 7. optional ``--model-path`` / ``--speculative-draft-model-path``: the paths exist, the target's architecture
    is one SGLang's DFlash drafter can serve under DDTree (its hidden states can be captured, attention is
@@ -145,9 +145,9 @@ def check_plugin(report: Report) -> list[logging.LogRecord] | None:
 
 
 def _fix_for(cause: str) -> str:
-    if "sglang_kdtree.patches" in cause or "sglang_kdtree._kernels" in cause:
+    if "sglang_kdtree.patches" in cause or "sglang_kdtree.kernels" in cause:
         return ("this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore "
-                "the symlinks sglang_kdtree/patches and sglang_kdtree/_kernels (git checkout -- sglang_kdtree)")
+                "the folders sglang_kdtree/patches and sglang_kdtree/kernels (git checkout -- sglang_kdtree)")
     return (f"sglang-kdtree supports sglang=={sglang_pin()} only: install it, or reinstall sglang-kdtree; "
             "--verbose shows the traceback")
 
@@ -271,7 +271,7 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
     from sglang_kdtree.gpu import runtime
 
     kdir = runtime.kernels_dir()
-    sources = sorted(p.relative_to(kdir).as_posix() for p in kdir.rglob("*.cu"))  # kernels/moe/ too
+    sources = sorted(p.relative_to(kdir).as_posix() for p in kdir.rglob("*.cu"))  # sglang_kdtree/kernels/moe/ too
     if not sources:
         return False  # reported by check_package
     t0 = time.perf_counter()

@@ -230,7 +230,7 @@ def check_package(report: Report) -> bool:
         report.fail(
             f"sglang_kdtree.patches does not import from {pkg_dir} ({exc})",
             "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
-            "symlink sglang_kdtree/patches -> ../patches (git checkout -- sglang_kdtree/patches)",
+            "folder sglang_kdtree/patches (git checkout -- sglang_kdtree/patches)",
         )
         ok = False
         patches_dir = None
@@ -241,7 +241,7 @@ def check_package(report: Report) -> bool:
         report.fail(
             f"no kernel sources (*.cu) in {kdir}",
             "this sglang_kdtree is incomplete: reinstall sglang-kdtree (pip install .); in a checkout, restore the "
-            "symlink sglang_kdtree/_kernels -> ../kernels (git checkout -- sglang_kdtree/_kernels)",
+            "folder sglang_kdtree/kernels (git checkout -- sglang_kdtree/kernels)",
         )
         ok = False
     if ok:

@@ -335,7 +335,7 @@ def ended_round_result(worker, batch, error: str, on_publish=None):
 def ended_grammar_batch(worker, batch, on_publish=None):
     """End a decode batch that holds a grammar, instead of raising in the scheduler (which would stop the server).
 
-    Admission refuses grammar requests (``patches/request_validation.py``) and startup refuses
+    Admission refuses grammar requests (``sglang_kdtree/patches/request_validation.py``) and startup refuses
     ``--enable-strict-thinking``, so reaching this means some other path attached a grammar. The tree accept cannot
     apply one, and the round's buffers are per batch: each request with a grammar ends with HTTP 400 naming the
     cause, each other request of the batch with HTTP 503 (retry); other batches go on."""

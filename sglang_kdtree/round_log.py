@@ -118,7 +118,7 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
       calls plus captures); ``tree_graph_replays`` / ``commit_graph_replays``: the GPU round graphs' replays;
       ``tree_head_first``: tree steps that found the stream idle and issued the head GEMM before their host work
       (``TreeStepGraphs.step``); ``mla_check`` (under ``SGLANG_KDTREE_MLA=check`` only): the fused MLA kernel
-      against SGLang's MLA path on the same routed calls so far (``patches/mla_tree_verify.check_stats``);
+      against SGLang's MLA path on the same routed calls so far (``sglang_kdtree/patches/mla_tree_verify.check_stats``);
     * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
       verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept,
       KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock.

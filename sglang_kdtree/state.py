@@ -115,7 +115,7 @@ class Geometry:
     @property
     def kv_reserve(self) -> int:
         """KV slots a round writes past a request's committed length: the larger of its two windows from the
-        same start, the draft block and the tree verify (``patches/decode_reserve.py``)."""
+        same start, the draft block and the tree verify (``sglang_kdtree/patches/decode_reserve.py``)."""
         return max(self.verify_width, self.block_size)
 
     @property

@@ -2,8 +2,8 @@
 
 ``KDTreeVerifyInput`` is DFLASH's verify input carrying the tree: SGLang's FULL_MASK as ``custom_mask`` (the
 prefix, then ancestor-or-self) and ``topk=2`` (fa3 / triton plan a tree mask when ``topk > 1``), plus the
-DDTree extras that tree-aware kernels read (``patches/mla_tree_verify.py`` reads ``ancestor_bits``). The
-CUDA-graph patch (``patches/verify_graph_spec_info.py``) captures the target's verify graph with one.
+DDTree extras that tree-aware kernels read (``sglang_kdtree/patches/mla_tree_verify.py`` reads ``ancestor_bits``). The
+CUDA-graph patch (``sglang_kdtree/patches/verify_graph_spec_info.py``) captures the target's verify graph with one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
 class KDTreeVerifyInput(DFlashVerifyInput):
     """DFLASH's verify input carrying the tree: ``custom_mask`` (FULL_MASK) plus the DDTree extras that
-    tree-aware kernels read (``patches/mla_tree_verify.py`` reads ``ancestor_bits``)."""
+    tree-aware kernels read (``sglang_kdtree/patches/mla_tree_verify.py`` reads ``ancestor_bits``)."""
 
     ancestor_bits: torch.Tensor | None = None
     retrieve_index: torch.Tensor | None = None

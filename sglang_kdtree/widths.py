@@ -12,7 +12,7 @@ have built, it only chooses how much of it the target verifies.
   cut (a prefix sum over the whole tree) and the accept length the cut would have had (from the verified walk).
 
 The server's online estimator (``width_choice.WidthChooser``) and the Kimi round model
-(``benchmarks/kimi_round.py``) both choose with ``best_width``.
+(``benchmarks.kimi_round``) both choose with ``best_width``.
 """
 
 from __future__ import annotations

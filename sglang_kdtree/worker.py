@@ -40,8 +40,8 @@ requests they hit (``end_faulty_requests``); an allocation failure (``torch.OutO
 second failure ends every request of that batch (``contained_round``).
 
 Sampling at T > 0: temperature, top-k, top-p and min-p as SGLang's sampler applies them (penalties are
-refused at admission, ``patches/request_validation.py``), with a per-request seed from ``sampling_seed`` and
-the request's position, so a seeded request is reproducible (the prefill's token of a seeded request is drawn
+refused at admission, ``sglang_kdtree/patches/request_validation.py``), with a per-request seed from ``sampling_seed``
+and the request's position, so a seeded request is reproducible (the prefill's token of a seeded request is drawn
 by the same sampler, ``sglang_kdtree.seeded``; SGLang itself honours seeds only under
 ``--enable-deterministic-inference``, which CPU backends do not support).
 """

@@ -17,8 +17,9 @@ SGLang side (SGLang 0.5.23's code, not a re-implementation), after publishing a 
 
 What is not SGLang's: the scheduler glue (pools filled by hand), and the block runs as an EXTEND batch
 (``extend_prefix_lens`` = context length) rather than the worker's TARGET_VERIFY batch, because
-``TorchNativeAttnBackend`` has no TARGET_VERIFY path (the plugin adds one in ``patches/torch_native_verify.py``);
-for the drafter's ``ENCODER_ONLY`` layers both attend to the whole context and the whole block, unmasked.
+``TorchNativeAttnBackend`` has no TARGET_VERIFY path (the plugin adds one in
+``sglang_kdtree/patches/torch_native_verify.py``); for the drafter's ``ENCODER_ONLY`` layers both attend to the whole
+context and the whole block, unmasked.
 
 Our side: ``testbed.target`` over the sequences, and ``DFlashDrafter.forward`` with all of a sequence's anchors
 in one call (the multi-block training mask), on our own features.

@@ -1,7 +1,7 @@
 """Test-only Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC'11)
 in plain Python integers, written from the paper's round function: an independent computation of the draws
-of the CUDA sampled accept (``kernels/tree_accept.cu``). Checked against Random123's published known-answer
-vectors in ``tests/test_philox.py``."""
+of the CUDA sampled accept (``sglang_kdtree/kernels/tree_accept.cu``). Checked against Random123's published
+known-answer vectors in ``tests/test_philox.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """benchmarks/tree_stamps.py on a CPU machine: its stamps still fit ``build_trees_list``'s body in
-kernels/best_first_tree.cu (else the CLI exits naming the missing text), and the stamped kernel compiles with NVRTC,
-keeping the kernel entry and the stamp buffer the CLI reads."""
+sglang_kdtree/kernels/best_first_tree.cu (else the CLI exits naming the missing text), and the stamped kernel compiles
+with NVRTC, keeping the kernel entry and the stamp buffer the CLI reads."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def test_stamps_fit_the_kernel_and_compile():
     text = (runtime.kernels_dir() / "best_first_tree.cu").read_text()
     src = mod.stamped_source(text, "best_first_tree.cu")
     assert all(f"STAMP({i})" in src for i in range(7)) and "g_st[10] = g" in src and "g_st[11] = g" in src
-    assert src.splitlines()[0].startswith("// kernels/*.cuh sha256 ")  # the headers' digest line, as load_module's
+    # the headers' digest line, as load_module's
+    assert src.splitlines()[0].startswith("// sglang_kdtree/kernels/*.cuh sha256 ")
     try:
         from cupy.cuda import nvrtc
 

@@ -1,4 +1,4 @@
-"""CPU test of ``benchmarks/device_carry.py``: the slimmed sglang wheel drops exactly the listed paths, from the
+"""CPU test of ``device/device_carry.py``: the slimmed sglang wheel drops exactly the listed paths, from the
 archive and from its RECORD, and keeps every other file byte for byte; the folder limit is enforced."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("device_carry", REPO / "benchmarks" / "device_carry.py")
+    spec = importlib.util.spec_from_file_location("device_carry", REPO / "device" / "device_carry.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,6 +1,6 @@
 """The user documents stay user documents: README.md short, README.md and benchmarks/RESULTS.md free of work
 history (commit hashes outside RESULTS.md's `commit` columns, work-period numbers), RESULTS.md one section per
-component, every relative link resolving, and benchmarks/plot_results.py drawing its PNGs. Fast, CPU only."""
+component, every relative link resolving, and benchmarks.plot_results drawing its PNGs. Fast, CPU only."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import plot_results
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plot_results  # noqa: E402
 
 MAX_README_LINES = 200
 #: 7-40 hex digits with at least one digit and one letter: an abbreviated or full commit hash

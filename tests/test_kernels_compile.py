@@ -1,7 +1,7 @@
-"""Every kernel under kernels/ (subfolders included: kernels/moe/) compiles with NVRTC for sm_90 (for its own target
-when ``runtime.ARCH_SPECIFIC`` names one: sm_90a for the wgmma MLA kernel) with the runtime's options (NVRTC needs no GPU), and every
-``extern "C" __global__`` function it declares is an entry of the PTX, so a kernel that no longer compiles fails
-on a CPU machine too."""
+"""Every kernel under sglang_kdtree/kernels/ (subfolders included: sglang_kdtree/kernels/moe/) compiles with NVRTC for
+sm_90 (for its own target when ``runtime.ARCH_SPECIFIC`` names one: sm_90a for the wgmma MLA kernel) with the runtime's
+options (NVRTC needs no GPU), and every ``extern "C" __global__`` function it declares is an entry of the PTX, so a
+kernel that no longer compiles fails on a CPU machine too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sglang_kdtree.gpu import mla_attention, runtime
 #: NVRTC's virtual target for the kernels built for an architecture-specific one
 ARCH_SPECIFIC = {name: arch.replace("sm_", "compute_") for name, arch in runtime.ARCH_SPECIFIC.items()}
 
-#: every ``.cu`` below kernels/, by its path relative to it (the name ``runtime.kernel_source`` takes)
+#: every ``.cu`` below sglang_kdtree/kernels/, by its path relative to it (the name ``runtime.kernel_source`` takes)
 KERNELS = sorted(p.relative_to(runtime.kernels_dir()).as_posix()
                  for p in pathlib.Path(runtime.kernels_dir()).rglob("*.cu"))
 
@@ -39,7 +39,8 @@ def test_every_kernel_is_listed():
 
 @functools.cache
 def _ptx(name) -> str:
-    """kernels/<name> compiled with NVRTC (once per test session: two tests read topk_histogram.cu's PTX)."""
+    """sglang_kdtree/kernels/<name> compiled with NVRTC (once per test session: two tests read topk_histogram.cu's
+    PTX)."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(runtime.kernel_source(name), name, [], [])
     try:
@@ -74,8 +75,8 @@ def _header_bits(path) -> dict[str, int]:
 
 
 def test_error_table_is_one_and_mirrored_in_python():
-    """kernels/common.cuh holds the one device error table (unique bits); gpu/errors.py mirrors it bit for bit,
-    no other top-level kernel defines an ERR_ bit of its own, and the MoE align kernel's bit is the table's."""
+    """sglang_kdtree/kernels/common.cuh holds the one device error table (unique bits); gpu/errors.py mirrors it bit for
+    bit, no other top-level kernel defines an ERR_ bit of its own, and the MoE align kernel's bit is the table's."""
     from sglang_kdtree.gpu import errors, topk
     from sglang_kdtree.moe import routing
 

@@ -1,4 +1,4 @@
-"""CPU tests of benchmarks/kimi_round.py and its siblings: kimi_model's arithmetic on hand-computed inputs (all-reduce
+"""CPU tests of benchmarks.kimi_round and its siblings: kimi_model's arithmetic on hand-computed inputs (all-reduce
 model, the assembled split, tokens/s, bookkeeping share, the moonshot verdict, missing pieces, the tau curve, the
 KDTREE-auto choice, the summary and target checks), kimi_measure's loop on a tiny model with a stub timer (errors
 recorded, deadline honoured, job order), the CLI through ``python -m sglang_kdtree bench --kimi-round`` with the
@@ -16,12 +16,12 @@ import types
 
 import pytest
 
+from benchmarks import kimi_measure as kmeasure
+from benchmarks import plot_kimi_round
 from sglang_kdtree import bench
 
 kr = bench.load_kimi_round()
 km = kr.kimi_model
-kmeasure = sys.modules["kimi_measure"]
-import plot_kimi_round  # noqa: E402  (benchmarks/ is on sys.path once kimi_round is loaded)
 
 key = km.key
 FREE_NET = {"gbps": math.inf, "latency_us": 0.0, "gather_logits": False}

@@ -1,4 +1,4 @@
-"""CPU tests of patches/marlin_moe.py: the wrapped SGLang symbol exists with the argument order the hook
+"""CPU tests of sglang_kdtree/patches/marlin_moe.py: the wrapped SGLang symbol exists with the argument order the hook
 assumes, the hook is registered only when SGLANG_KDTREE_MOE=marlin, and a registered hook routes to
 sglang_kdtree.moe only for a supported layer; anything else runs SGLang's original with a warning."""
 

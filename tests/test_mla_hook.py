@@ -1,4 +1,4 @@
-"""CPU tests of patches/mla_tree_verify.py: it wraps symbols that exist in the installed SGLang with the
+"""CPU tests of sglang_kdtree/patches/mla_tree_verify.py: it wraps symbols that exist in the installed SGLang with the
 argument order it assumes, and it routes only KDTREE TARGET_VERIFY batches of absorbed MLA to our kernel."""
 
 import inspect

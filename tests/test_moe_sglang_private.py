@@ -2,7 +2,7 @@
 SGLang upgrade that renames, moves or reshapes one fails here on a CPU machine instead of at the first Marlin
 call on a GPU host.
 
-The MoE code is ``sglang_kdtree/moe/``, ``patches/marlin_moe.py`` and the JIT seeding tool
+The MoE code is ``sglang_kdtree/moe/``, ``sglang_kdtree/patches/marlin_moe.py`` and the JIT seeding tool
 ``tests/e2e/prebuild_jit.py``; ``test_every_private_use_is_pinned`` scans them, so a new private use without a
 pin here fails too. Besides the underscore names, ``seed_prebuilt`` relies on how SGLang's JIT loader works
 inside: it swaps ``ninja.build`` while ``load_jit`` runs, writes a depfile for ``ninja.scan_dependencies``, and
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_SOURCES = sorted((ROOT / "sglang_kdtree" / "moe").glob("*.py")) + [
-    ROOT / "patches" / "marlin_moe.py",
+    ROOT / "sglang_kdtree" / "patches" / "marlin_moe.py",
     ROOT / "tests" / "e2e" / "prebuild_jit.py",
 ]
 

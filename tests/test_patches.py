@@ -265,8 +265,8 @@ def test_kdtree_refuses_sampling_features_it_would_otherwise_ignore(monkeypatch,
 @pytest.mark.parametrize("temperature", [0.8, 0])
 @pytest.mark.parametrize("filters", [{"min_p": 0.05}, {"min_p": 1.0}, {"min_p": 0.3, "top_k": 20, "top_p": 0.9}])
 def test_kdtree_serves_min_p_with_or_without_top_k_and_top_p(monkeypatch, temperature, filters):
-    """min-p is applied by the tree accept (``reference.filter_top_k_top_p``, ``kernels/tree_accept.cu``): it
-    reaches SGLang's own check at any temperature, alone or with top-k / top-p."""
+    """min-p is applied by the tree accept (``reference.filter_top_k_top_p``, ``sglang_kdtree/kernels/tree_accept.cu``):
+    it reaches SGLang's own check at any temperature, alone or with top-k / top-p."""
     from sglang_kdtree import state
     from sglang_kdtree.patches import request_validation as patch
 

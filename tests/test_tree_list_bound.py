@@ -1,5 +1,5 @@
-"""The sorted-list tree kernels (``kernels/best_first_tree.cu``, ``build_trees_list1/2/4``) keep only the first
-``C = 32 * J`` candidates (one per lane and register) and drop what shifts past the end; their header argues that
+"""The sorted-list tree kernels (``sglang_kdtree/kernels/best_first_tree.cu``, ``build_trees_list1/2/4``) keep only the
+first ``C = 32 * J`` candidates (one per lane and register) and drop what shifts past the end; their header argues that
 this is exact for ``budget <= 2 * C`` (the launcher's 64 / 128 / 256). This checks that argument on the CPU with
 a small model of the same list (positions compared by (score, rank tuple), the popped head's two children
 inserted where the old list's better entries end, the list cut to C) against ``reference.build_tree``, at small C

@@ -1,4 +1,4 @@
-"""GPU accept walk (``kernels/tree_accept.cu``): twins of ``reference.accept_greedy`` and
+"""GPU accept walk (``sglang_kdtree/kernels/tree_accept.cu``): twins of ``reference.accept_greedy`` and
 ``reference.accept_sampled`` over torch CUDA tensors, one launch for the batch, no host sync.
 
 Tree input (``trees``): any object with the reference ``TreeBatch`` attributes as torch CUDA tensors:

@@ -1,5 +1,6 @@
-"""GPU commit (``kernels/kv_compact.cu``, ``kernels/gather_hidden.cu``): twins of ``reference.commit_plan``,
-``reference.compact_kv`` and ``reference.gather_hidden`` over torch CUDA tensors, no host sync.
+"""GPU commit (``sglang_kdtree/kernels/kv_compact.cu``, ``sglang_kdtree/kernels/gather_hidden.cu``): twins of
+``reference.commit_plan``, ``reference.compact_kv`` and ``reference.gather_hidden`` over torch CUDA tensors, no host
+sync.
 
 Typical round: the worker calls ``pipeline.GpuBackend``'s ``commit_plan`` / ``commit_kv`` / ``gather_hidden``
 (or its ``accept_commit_greedy`` step graph), which run ``plan = commit_plan(res.accepted, res.accept_lens,

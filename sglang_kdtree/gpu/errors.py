@@ -9,8 +9,8 @@ flag decodes with the one table. ``raise_on_device_error`` syncs, ORs the bits a
 naming each problem; call it where a sync is acceptable (tests, debugging, a periodic health check), never
 on the hot path.
 
-The ``ERR_*`` constants mirror ``kernels/common.cuh`` bit for bit (``tests/test_kernels_compile.py`` checks
-that the two agree).
+The ``ERR_*`` constants mirror ``sglang_kdtree/kernels/common.cuh`` bit for bit (``tests/test_kernels_compile.py``
+checks that the two agree).
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ __all__ = ["DEVICE_ERRORS", "TREE_ERRORS", "new_error_flag", "error_bits", "desc
            "ERR_LOGITS_POSINF", "ERR_DEAD_ROW", "ERR_LOGPROB_NAN", "ERR_LOGPROB_POSINF", "ERR_UNSORTED",
            "ERR_NEGATIVE_ID", "ERR_BAD_TREE"]
 
-# accept (kernels/tree_accept.cu; per request)
+# accept (sglang_kdtree/kernels/tree_accept.cu; per request)
 ERR_NUM_NODES = 1 << 0
 ERR_BAD_PARENT = 1 << 1
 ERR_MAX_DEPTH = 1 << 2
 ERR_TARGET_NAN = 1 << 3
 ERR_SAMPLING = 1 << 4
-# commit (kernels/kv_compact.cu, gather_hidden.cu)
+# commit (sglang_kdtree/kernels/kv_compact.cu, gather_hidden.cu)
 ERR_BAD_PATH = 1 << 6
 ERR_BAD_SLOT = 1 << 7
 ERR_BAD_HIDDEN_ROW = 1 << 8
-# MoE routing (kernels/moe/moe_align.cu; sglang_kdtree.moe.routing.ERR_EXPERT_ID)
+# MoE routing (sglang_kdtree/kernels/moe/moe_align.cu; sglang_kdtree.moe.routing.ERR_EXPERT_ID)
 ERR_EXPERT_ID = 1 << 9
-# tree construction (kernels/topk_*.cu, best_first_tree.cu, verify_inputs.cu)
+# tree construction (sglang_kdtree/kernels/topk_*.cu, best_first_tree.cu, verify_inputs.cu)
 ERR_LOGITS_NAN = 1 << 10
 ERR_LOGITS_POSINF = 1 << 11
 ERR_DEAD_ROW = 1 << 12
@@ -66,7 +66,8 @@ DEVICE_ERRORS = {
     "(that request's plan rows are -1)",
     ERR_BAD_SLOT: "a KV source or destination slot is outside [0, num_slots) (that request was not moved)",
     ERR_BAD_HIDDEN_ROW: "a hidden-state row index is outside [0, rows) (that output row is zeros)",
-    ERR_EXPERT_ID: "a routed expert id is outside [0, num_experts) (that route is dropped; kernels/moe/moe_align.cu)",
+    ERR_EXPERT_ID: "a routed expert id is outside [0, num_experts) (that route is dropped; "
+                   "sglang_kdtree/kernels/moe/moe_align.cu)",
     **TREE_ERRORS,
 }
 

@@ -4,9 +4,9 @@ the tests and benchmarks live in ``sglang_kdtree.gpu.mla_reference``.
 
 Kernels (``kernel=`` / ``$SGLANG_KDTREE_MLA_KERNEL``: ``auto``, ``wgmma`` or ``mma``):
 
-* ``wgmma`` (``kernels/mla_tree_verify_wgmma.cu``): Hopper warpgroup MMA (sm_90a), 64 keys per stage; the default
+* ``wgmma`` (``sglang_kdtree/kernels/mla_tree_verify_wgmma.cu``): Hopper warpgroup MMA (sm_90a), 64 keys per stage; the default
   on compute capability 9.0;
-* ``mma`` (``kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 32 keys per stage; any other GPU, and the
+* ``mma`` (``sglang_kdtree/kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 32 keys per stage; any other GPU, and the
   fallback. Both share the split-K merge kernel and the launch counter.
 
 Semantics: request ``b`` verifies ``N`` tree nodes. Query row ``(b*N + i, h)`` is the absorbed query

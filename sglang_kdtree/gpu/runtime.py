@@ -1,4 +1,4 @@
-"""Shared CuPy plumbing for the kernels in ``kernels/``: availability, source lookup, compile cache,
+"""Shared CuPy plumbing for the kernels in ``sglang_kdtree/kernels/``: availability, source lookup, compile cache,
 torch stream and zero-copy tensor exchange.
 
 Everything here imports on a machine without a GPU or without CuPy; only calling into a kernel needs one.
@@ -47,17 +47,18 @@ def gpu_available() -> bool:
 
 
 def kernels_dir() -> Path:
-    """Folder of the ``.cu`` sources: ``sglang_kdtree/_kernels`` in an installed wheel or editable install,
-    else the checkout's top-level ``kernels/`` (running from a source tree without installing)."""
+    """Folder of the ``.cu`` sources: the ``sglang_kdtree.kernels`` subpackage, the same folder in a checkout, an
+    editable install and a wheel. Where an incomplete install lacks it, the path it should have (callers then
+    report the missing sources by name)."""
     try:
-        path = Path(str(importlib.resources.files("sglang_kdtree._kernels")))
+        path = Path(str(importlib.resources.files("sglang_kdtree.kernels")))
     except ModuleNotFoundError:
-        path = Path(__file__).resolve().parents[2] / "kernels"
+        path = Path(__file__).resolve().parents[1] / "kernels"
     return path
 
 
 def kernel_source(name: str) -> str:
-    """The text of ``kernels/<name>``."""
+    """The text of ``sglang_kdtree/kernels/<name>``."""
     path = kernels_dir() / name
     if not path.is_file():
         raise FileNotFoundError(
@@ -69,7 +70,7 @@ def kernel_source(name: str) -> str:
 
 @functools.cache
 def load_module(name: str, options: tuple[str, ...] = ()):
-    """Compile ``kernels/<name>`` once per process with NVRTC and return the ``cupy.RawModule``.
+    """Compile ``sglang_kdtree/kernels/<name>`` once per process with NVRTC and return the ``cupy.RawModule``.
 
     ``-fmad=false`` is always passed: the tree kernels must reproduce the reference's float64 operation
     order bit for bit, and contraction into FMA would change the rounding.
@@ -105,7 +106,7 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
             try:
                 nvrtc.compileProgram(prog, list(opts))
             except nvrtc.NVRTCError as exc:
-                raise RuntimeError(f"NVRTC could not compile kernels/{name} for {arch}: {exc}\n"
+                raise RuntimeError(f"NVRTC could not compile sglang_kdtree/kernels/{name} for {arch}: {exc}\n"
                                    f"{nvrtc.getProgramLog(prog)}") from exc
             cubin = nvrtc.getCUBIN(prog)
         finally:
@@ -151,12 +152,13 @@ def headers_digest() -> str:
 
 
 def compile_source(name: str) -> str:
-    """What NVRTC compiles for ``kernels/<name>``: its text after a comment naming the digest of the headers.
+    """What NVRTC compiles for ``sglang_kdtree/kernels/<name>``: its text after a comment naming the digest of the
+    headers.
 
     CuPy's on-disk kernel cache is keyed by the source text and the options, not by what the source
     ``#include``s; without the digest, an upgrade that changed only a header (``common.cuh``) would load the
     kernels compiled from the old one."""
-    return f"// kernels/*.cuh sha256 {headers_digest()}\n" + kernel_source(name)
+    return f"// sglang_kdtree/kernels/*.cuh sha256 {headers_digest()}\n" + kernel_source(name)
 
 
 @functools.lru_cache(maxsize=64)
@@ -277,8 +279,8 @@ def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, 
     stream.
 
     ``pdl``: a programmatic dependent launch (sm_90+, ``PDL`` on): the kernel's launch may begin before the previous
-    kernel in the stream has finished. Only for kernels that call ``pdl_wait()`` (``kernels/common.cuh``) before
-    touching global memory, so only the launch latency moves; captured into a CUDA graph as a programmatic edge.
+    kernel in the stream has finished. Only for kernels that call ``pdl_wait()`` (``sglang_kdtree/kernels/common.cuh``)
+    before touching global memory, so only the launch latency moves; captured into a CUDA graph as a programmatic edge.
     Else, and on older GPUs, a plain launch."""
     if not (pdl and _pdl_runs_here()):
         with current_stream():

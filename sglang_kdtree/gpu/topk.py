@@ -1,4 +1,4 @@
-"""GPU per-depth vocabulary top-K + logsumexp (``kernels/topk_logsumexp.cu``); twins of
+"""GPU per-depth vocabulary top-K + logsumexp (``sglang_kdtree/kernels/topk_logsumexp.cu``); twins of
 ``reference.topk_logprobs``, ``reference.shard_topk_partials`` and ``reference.merge_topk_partials``.
 
 All functions take and return torch CUDA tensors, launch on torch's current stream and never sync the host.
@@ -7,9 +7,9 @@ wording). Value errors that need the data (NaN / +inf logits, a row entirely -in
 ``error_flag`` tensor (``TOPK_ERRORS``) that the caller reads at its next natural sync
 (``raise_on_flag``); ``check=True`` syncs and raises at once (tests, debugging).
 
-Two exact pipelines (``IMPL``): "histogram" (``kernels/topk_histogram.cu``: a streaming 12-bit key
+Two exact pipelines (``IMPL``): "histogram" (``sglang_kdtree/kernels/topk_histogram.cu``: a streaming 12-bit key
 histogram per row, then per row the boundary bin, a gather of the candidates above it and an exact select)
-and "cut" (``kernels/topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
+and "cut" (``sglang_kdtree/kernels/topk_logsumexp.cu``: per-chunk cut + merge). Both return identical results.
 
 Workspaces come from a ``TopKWorkspace`` sized for the largest rows / K / vocabulary, so a call allocates
 nothing when one is passed (CUDA-graph capture).
@@ -24,7 +24,7 @@ import numpy as np
 from sglang_kdtree.gpu import runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
-#: the one device error table (gpu.errors, mirroring kernels/common.cuh)
+#: the one device error table (gpu.errors, mirroring sglang_kdtree/kernels/common.cuh)
 from sglang_kdtree.gpu.errors import TREE_ERRORS as TOPK_ERRORS
 from sglang_kdtree.state import MAX_BUDGET  # top-K is taken with K <= the node budget
 
@@ -241,8 +241,8 @@ def _run_topk(logits, k, id_offset, mode, workspace, out_vals, out_ids, out_lse,
 
 
 def hist_kernel_names(bf16: bool, aligned: bool, g2: bool, k: int, v: int, mode: int) -> tuple[str, str]:
-    """The (hist_pass, hist_select) kernels of kernels/topk_histogram.cu for a call: bf16 or fp32 rows, 16-byte
-    aligned or not (vector loads), two groups per thread (``g2``: aligned bf16 of large batches), and K:
+    """The (hist_pass, hist_select) kernels of sglang_kdtree/kernels/topk_histogram.cu for a call: bf16 or fp32 rows,
+    16-byte aligned or not (vector loads), two groups per thread (``g2``: aligned bf16 of large batches), and K:
     ``min(K, V) > 256`` takes the WIDE kernels (bf16: the pass whose chunk bound comes from each thread's
     fourth-largest value; any dtype: the select that places the candidates by bin). ``mode`` 0: logprobs, 1:
     TP shard partials."""
@@ -255,7 +255,7 @@ def hist_kernel_names(bf16: bool, aligned: bool, g2: bool, k: int, v: int, mode:
 
 def _run_histogram(flat, rows, v, k, chunks, row_stride, id_offset, mode, ws, out_vals, out_ids, out_lse,
                    error_flag):
-    """hist_pass -> hist_select (see kernels/topk_histogram.cu)."""
+    """hist_pass -> hist_select (see sglang_kdtree/kernels/topk_histogram.cu)."""
     import torch
 
     mod = runtime.load_module(_HIST_KERNEL, _OPTIONS)

@@ -1,4 +1,4 @@
-"""GPU exact best-first DDTree (``kernels/best_first_tree.cu``); twin of ``reference.build_trees``, plus
+"""GPU exact best-first DDTree (``sglang_kdtree/kernels/best_first_tree.cu``); twin of ``reference.build_trees``, plus
 ``TreeBuilder``, which owns every workspace and output buffer of the per-round path
 "draft logits -> top-K + lse -> tree -> verify inputs" for the largest batch and budget, so a round
 allocates nothing, never syncs the host and can be captured in a CUDA graph.

@@ -1,4 +1,4 @@
-"""GPU verify inputs from a padded tree batch (``kernels/verify_inputs.cu``); twin of
+"""GPU verify inputs from a padded tree batch (``sglang_kdtree/kernels/verify_inputs.cu``); twin of
 ``reference.verify_inputs``: input ids, positions, SGLang's FULL_MASK for mixed prefix lengths, bit-packed
 ancestor rows and the retrieve_index / next_token / next_sibling links of ``verify_tree_greedy``.
 

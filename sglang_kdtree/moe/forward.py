@@ -2,10 +2,10 @@
 ``sglang_kdtree.moe.launch``: no ``sgl_kernel`` binary op anywhere on the path.
 
 ``fused_moe_marlin`` follows the call sequence of SGLang's ``fused_marlin_moe``: align the routes to expert
-blocks (``kernels/moe/moe_align.cu``), GEMM1 ``x @ w13`` without top-k weights, SiLU-and-mul
-(``kernels/moe/silu_and_mul.cu``), GEMM2 ``@ w2`` with the top-k weights, then the top-k sum times the routed
-scaling factor (``kernels/moe/moe_topk_sum.cu``). Marlin's K-slices are combined with its fp32 reduce by
-default (``DEFAULT_REDUCE``; SGLang uses bf16 atomics on sm_90). ``sglang_kdtree.moe.reference.
+blocks (``sglang_kdtree/kernels/moe/moe_align.cu``), GEMM1 ``x @ w13`` without top-k weights, SiLU-and-mul
+(``sglang_kdtree/kernels/moe/silu_and_mul.cu``), GEMM2 ``@ w2`` with the top-k weights, then the top-k sum times the
+routed scaling factor (``sglang_kdtree/kernels/moe/moe_topk_sum.cu``). Marlin's K-slices are combined with its fp32
+reduce by default (``DEFAULT_REDUCE``; SGLang uses bf16 atomics on sm_90). ``sglang_kdtree.moe.reference.
 fused_moe_reference`` is the float twin (same argument order, ``PackedMoEWeights``).
 """
 

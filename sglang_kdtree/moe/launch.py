@@ -1,4 +1,4 @@
-"""CuPy launchers of the MoE glue kernels in ``kernels/moe/`` (twins in ``sglang_kdtree.moe.reference``):
+"""CuPy launchers of the MoE glue kernels in ``sglang_kdtree/kernels/moe/`` (twins in ``sglang_kdtree.moe.reference``):
 route alignment to Marlin blocks, SiLU-and-mul between the two GEMMs, and the top-k sum after them. Each
 launches on torch's current stream with no host sync, so the whole forward can be captured in a CUDA graph.
 """
@@ -44,7 +44,7 @@ def _grid(work_items: int, threads: int) -> int:
 
 
 def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=None) -> MoEAlignment:
-    """Marlin block tables from top-k expert ids on the GPU (``kernels/moe/moe_align.cu``), no host sync.
+    """Marlin block tables from top-k expert ids on the GPU (``sglang_kdtree/kernels/moe/moe_align.cu``), no host sync.
 
     Args:
         topk_ids: ``[M, top_k]`` int32 or int64 CUDA tensor of local expert ids (negative = no expert).
@@ -87,8 +87,8 @@ def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=
 
 
 def silu_and_mul(gate_up, out=None):
-    """``silu(gate) * up`` of bf16 ``gate_up [rows, 2N]`` into ``out [rows, N]`` (``kernels/moe/silu_and_mul.cu``);
-    N % 8 == 0, both contiguous. Returns ``out``."""
+    """``silu(gate) * up`` of bf16 ``gate_up [rows, 2N]`` into ``out [rows, N]``
+    (``sglang_kdtree/kernels/moe/silu_and_mul.cu``); N % 8 == 0, both contiguous. Returns ``out``."""
     import torch
 
     _require_cuda("gate_up", gate_up, (torch.bfloat16,))
@@ -109,8 +109,9 @@ def silu_and_mul(gate_up, out=None):
 
 
 def moe_topk_sum(routed, topk_ids, num_experts: int, routed_scaling_factor: float = 1.0, out=None):
-    """``out [M, K]`` = factor * sum over live k of bf16 ``routed [M*top_k, K]`` (``kernels/moe/moe_topk_sum.cu``);
-    routes with an id outside [0, num_experts) are skipped. K % 8 == 0. Returns ``out``."""
+    """``out [M, K]`` = factor * sum over live k of bf16 ``routed [M*top_k, K]``
+    (``sglang_kdtree/kernels/moe/moe_topk_sum.cu``); routes with an id outside [0, num_experts) are skipped.
+    K % 8 == 0. Returns ``out``."""
     import torch
 
     _require_cuda("routed", routed, (torch.bfloat16,))

@@ -1,5 +1,5 @@
 """Marlin MoE block tables: the block heights, the table layout the aligner fills (``MoEAlignment``, layout in
-``kernels/moe/moe_align.cu``), and the device error bit for an out-of-range expert id.
+``sglang_kdtree/kernels/moe/moe_align.cu``), and the device error bit for an out-of-range expert id.
 
 Route ids: a negative id is SGLang's "no expert" (padded tokens): dropped, its token gets no contribution.
 An id >= num_experts is a caller bug: dropped too, and bit ``ERR_EXPERT_ID`` is set in the device error
@@ -33,7 +33,7 @@ def choose_block_size_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 @dataclass
 class MoEAlignment:
-    """Block tables for Marlin (layout in ``kernels/moe/moe_align.cu``): ``sorted_token_ids`` and
+    """Block tables for Marlin (layout in ``sglang_kdtree/kernels/moe/moe_align.cu``): ``sorted_token_ids`` and
     ``expert_ids`` int32 (entries past ``num_tokens_post_padded[0]`` are undefined on the GPU),
     ``num_tokens_post_padded`` int32 ``[2]`` (padded total, 0), ``block_size``, ``errors`` int32 ``[1]``."""
 

@@ -60,7 +60,7 @@ def sampling_weights(target_logits, temperature: float, top_k: int | None = None
 
     Min-p on these weights is therefore ``exp(x_i / T - x_max / T) >= min_p`` in float64, with ``x`` the
     float64 value of each float32 logit, ``x_i / T`` and ``x_max / T`` each rounded once and ``exp`` numpy's:
-    the GPU kernel (``kernels/tree_accept.cu``, ``min_p_threshold``) evaluates this same expression with
+    the GPU kernel (``sglang_kdtree/kernels/tree_accept.cu``, ``min_p_threshold``) evaluates this same expression with
     CUDA's double ``exp``, so the two agree on every token except one whose ``exp`` lies within the two
     libraries' ``exp`` error (about 2^-52 relative) of ``min_p``."""
     t = np.asarray(target_logits)
@@ -115,8 +115,8 @@ def position_uniform(seed: int, position: int) -> float:
     draws the token after a node of depth d at position ``P + d + 1`` (the root sits at P); a request's
     first sampled token outside the tree (``pipeline``'s ``sample_tokens``) at its ``seq_len``.
 
-    The CUDA accept (``kernels/tree_accept.cu``, launched by ``gpu.accept.accept_sampled``) follows the same
-    keying with counter-based Philox4x32-10 instead of PCG64: key = the int64 seed's low and high 32-bit
+    The CUDA accept (``sglang_kdtree/kernels/tree_accept.cu``, launched by ``gpu.accept.accept_sampled``) follows the
+    same keying with counter-based Philox4x32-10 instead of PCG64: key = the int64 seed's low and high 32-bit
     words, counter = ``(0, pos & 0xFFFFFFFF, pos >> 32, 0x6b647472)`` ("kdtr", the stream tag) with
     ``pos = P + depth + 1``; the first two output words form a 64-bit uniform, scaled into the kept 2^-44
     fixed-point weight mass for its inverse-CDF. Both are pure functions of (seed, position) with the

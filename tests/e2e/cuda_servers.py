@@ -1,5 +1,5 @@
 """Real SGLang servers on a CUDA GPU, plain vs ``--speculative-algorithm kdtree``, for the GPU tests and
-``benchmarks/device_server.sh``.
+``device/device_server.sh``.
 
 What is real and what is not: SGLang's launcher, scheduler, model runner, CUDA-graph runners, memory pool,
 Triton attention and fused-MoE kernels, its JIT kernels (``sglang.kernels.ops``), and all of sglang-kdtree,
@@ -14,7 +14,7 @@ the free memory when it profiles minus ``(1 - mem_fraction_static)`` x the free 
 ``--mem-fraction-static 0.3`` (~42 GB of an H200) is headroom for what the neighbours allocate meanwhile;
 the pool itself is capped by ``--max-total-tokens`` (a few hundred MB for these models).
 
-CLI (used by ``benchmarks/device_server.sh`` to probe a first run; the test is
+CLI (used by ``device/device_server.sh`` to probe a first run; the test is
 ``tests/gpu/test_server_cuda.py``)::
 
     python tests/e2e/cuda_servers.py --models llama,dsv3 --modes graph --dtypes float32 --out DIR

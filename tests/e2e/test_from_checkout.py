@@ -1,7 +1,7 @@
 """Running from the repository root after a non-editable ``pip install .`` behaves like the installed package.
 
 From the repo root, ``python -m ...`` imports ``./sglang_kdtree`` rather than the installed copy, so the
-checkout's package must be complete (``sglang_kdtree/patches`` and ``sglang_kdtree/_kernels`` resolve there
+checkout's package must be complete (``sglang_kdtree/patches`` and ``sglang_kdtree/kernels`` resolve there
 as in the wheel). The editable install the other tests use hides the difference; here the package is
 installed non-editable into a fresh venv, which sees the CI venv's packages (SGLang, torch, ...) through a
 ``.pth`` path line: that folder is not a site dir for the new venv, so the CI venv's editable-install finder
@@ -36,7 +36,7 @@ def venv_python(tmp_path_factory) -> Path:
                    check=True, cwd=venv.parent)
     installed = site / "sglang_kdtree"
     assert (installed / "patches" / "__init__.py").is_file() and not (installed / "patches").is_symlink()
-    assert (installed / "_kernels" / "tree_accept.cu").is_file()
+    assert (installed / "kernels" / "tree_accept.cu").is_file()
     assert not list(site.glob("__editable__*sglang_kdtree*")), "the install must not be editable"
     return python
 

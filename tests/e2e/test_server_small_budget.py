@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"
 
 def test_small_budget_below_half_the_draft_block(plain_server, tiny_models, server_logs):
     """Budget 2 (N = 3 < block_size / 2): the draft block (8 rows) is wider than SGLang's DFLASH reserve
-    of 2N slots, which ``patches/decode_reserve.py`` widens; outputs stay identical to the plain server."""
+    of 2N slots, which ``sglang_kdtree/patches/decode_reserve.py`` widens; outputs stay identical to the plain
+    server."""
     payloads = [_greedy(p) for p in PROMPTS]
     plain = _concurrent(plain_server, payloads)
     server = start_server(tiny_models / "llama", server_logs, extra=_kdtree_args(tiny_models, "llama", width=3),

@@ -1,4 +1,4 @@
-"""GPU greedy accept walk (kernels/tree_accept.cu) against the numpy reference and SGLang's verify_tree_greedy.
+"""GPU greedy accept walk (sglang_kdtree/kernels/tree_accept.cu) against the numpy reference and SGLang's verify_tree_greedy.
 
 Exact comparisons on fresh random trees (arbitrary parent links with duplicate sibling tokens, and real
 best-first DDTree trees), targets steered down random paths, argmax ties (also across the cluster's slices),

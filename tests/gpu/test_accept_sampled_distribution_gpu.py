@@ -1,4 +1,4 @@
-"""GPU sampled accept walk (kernels/tree_accept.cu) against the target's own sampling: committed tokens by
+"""GPU sampled accept walk (sglang_kdtree/kernels/tree_accept.cu) against the target's own sampling: committed tokens by
 chi-square against direct sampling under temperature / top-k / top-p / min-p, min-p's limits (1: greedy;
 0 and NaN: off), and the kept sets at the min-p boundary exactly against ``reference.sampling_weights``.
 """

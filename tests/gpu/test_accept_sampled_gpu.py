@@ -1,4 +1,4 @@
-"""GPU sampled accept walk (kernels/tree_accept.cu) where it must be deterministic: top_k = 1, T = 0 and a tiny
+"""GPU sampled accept walk (sglang_kdtree/kernels/tree_accept.cu) where it must be deterministic: top_k = 1, T = 0 and a tiny
 top_p walk like the greedy one; the same seed gives the same walk; the draws are Philox4x32-10 at the
 documented counter; the same tree numbered two ways commits the same tokens. Outputs poisoned first.
 """

@@ -1,6 +1,6 @@
-"""GPU commit (kernels/kv_compact.cu, kernels/gather_hidden.cu) against reference.commit_plan,
-reference.compact_kv and reference.gather_hidden: byte-exact, on random accepted paths and slot layouts,
-the aliasing case accepted = [0, 2, 3], in-place paths, MLA and MHA pool layouts, unaligned rows, and
+"""GPU commit (sglang_kdtree/kernels/kv_compact.cu, sglang_kdtree/kernels/gather_hidden.cu) against
+reference.commit_plan, reference.compact_kv and reference.gather_hidden: byte-exact, on random accepted paths and slot
+layouts, the aliasing case accepted = [0, 2, 3], in-place paths, MLA and MHA pool layouts, unaligned rows, and
 out-of-range slots (flagged, nothing written). Outputs come from a poisoned allocator."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""GPU tests of both MLA tree-verify kernels (kernels/mla_tree_verify_wgmma.cu on compute capability 9.0, and
-kernels/mla_tree_verify.cu) against their float64 twin (relative Frobenius error <= 2e-2 on outputs; LSE absolute
-error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first. Every test runs once per kernel."""
+"""GPU tests of both MLA tree-verify kernels (sglang_kdtree/kernels/mla_tree_verify_wgmma.cu on compute capability 9.0,
+and sglang_kdtree/kernels/mla_tree_verify.cu) against their float64 twin (relative Frobenius error <= 2e-2 on outputs;
+LSE absolute error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first. Every test runs once per
+kernel."""
 
 import math
 

@@ -21,7 +21,7 @@ def test_topk_histogram_gather_routes(v, groups):
     last chunk is partial (groups straddling V); every K; exact ids and logprobs; histograms clean after."""
     topk, _, _ = gpu_modules()
     rng = np.random.default_rng(v)
-    s_cache = 2048  # S_CACHE in kernels/topk_histogram.cu
+    s_cache = 2048  # S_CACHE in sglang_kdtree/kernels/topk_histogram.cu
     rows = []
     for tied in (s_cache, s_cache + 1, 3):
         x = np.clip(rng.normal(0, 1, size=v), -3.5, 3.5).astype(np.float32)  # bins below 6.0's

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU round's bookkeeping part by part on the H200 (benchmarks/round_parts.py), then ncu on the top-K at
-# batch 1 and 32 (benchmarks/device_ncu.sh). Carry .dev-carry (benchmarks/device_carry.py) for SGLang's wheels:
-#   run(command="bash benchmarks/device_parts.sh", carry=[".dev-carry"])
+# batch 1 and 32 (device/device_ncu.sh). Carry .dev-carry (device/device_carry.py) for SGLang's wheels:
+#   run(command="bash device/device_parts.sh", carry=[".dev-carry"])
 # Knobs: BATCHES ("1 8 32"), NCU_BS ("1 32"; empty: no ncu), UNIT_TESTS (pytest args run first, e.g.
 # "tests/gpu/test_tree_gpu.py"), AB (extra round_parts runs, e.g. "SGLANG_KDTREE_TOPK_IMPL=cut"), AB_COMMIT (a
 # commit whose kernels and launchers round_parts also times, from a git worktree, in the same call).
@@ -9,8 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-carry/whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 if [ -n "${UNIT_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   timeout 300 python3 -m pytest -q -p no:cacheprovider -ra $UNIT_TESTS > "$OUT/unit.log" 2>&1
@@ -21,7 +20,8 @@ timeout 240 python3 benchmarks/round_parts.py --batches ${BATCHES:-1 8 32} --jso
 if [ -n "${AB_COMMIT:-}" ]; then
   # the same parts from an older commit's kernels and launchers, in the same call (ratios)
   rm -rf /tmp/ab_old && git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$OUT/ab_worktree.log" 2>&1
-  ( cd /tmp/ab_old && ln -sfn ../kernels sglang_kdtree/_kernels 2>/dev/null
+  # a commit with the kernels at the top level reaches them through the link sglang_kdtree/_kernels
+  ( cd /tmp/ab_old && { [ ! -d kernels ] || ln -sfn ../kernels sglang_kdtree/_kernels; }
     # shellcheck disable=SC2086
     PYTHONPATH=/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda timeout 240 python3 \
       "$OLDPWD/benchmarks/round_parts.py" --batches ${BATCHES:-1 8 32} > "$OUT/parts_old_$AB_COMMIT.log" 2>&1 )
@@ -31,7 +31,7 @@ for ab in ${AB:-}; do
   timeout 240 env "$ab" python3 benchmarks/round_parts.py --batches ${BATCHES:-1 8 32} > "$OUT/parts_${ab//[^A-Za-z0-9]/_}.log" 2>&1
 done
 for bs in ${NCU_BS-1 32}; do
-  BS=$bs OUT=$OUT timeout 200 bash benchmarks/device_ncu.sh > "$OUT/ncu_$bs.summary" 2>&1
+  BS=$bs OUT=$OUT timeout 200 bash device/device_ncu.sh > "$OUT/ncu_$bs.summary" 2>&1
 done
 for f in "$OUT"/ncu_*.summary; do [ -f "$f" ] && { echo "== $f"; grep -E "hist_|topk_|Duration|DRAM Thr|Compute \(SM\)" "$f" | head -16; }; done
 for f in "$OUT"/parts*.log; do echo "== $f"; tail -8 "$f"; done

@@ -7,7 +7,7 @@
 // outside [0, num_experts) were dropped by moe_align.cu: their rows were never written, so they are
 // skipped here (a token with no live route gets zeros).
 //
-// bf16 travels as its 16-bit pattern (helpers in kernels/common.cuh); each thread owns 8 consecutive
+// bf16 travels as its 16-bit pattern (helpers in sglang_kdtree/kernels/common.cuh); each thread owns 8 consecutive
 // columns of one token (16-byte loads), K % 8 == 0 is checked by the Python launcher.
 
 #include "common.cuh"

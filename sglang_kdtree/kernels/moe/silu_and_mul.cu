@@ -5,8 +5,8 @@
 // rounded once to nearest even, like SGLang's silu_and_mul. Rows of dropped routes hold garbage from the
 // first GEMM; they are transformed like any row and never read by the second GEMM.
 //
-// bf16 travels as its 16-bit pattern (helpers in kernels/common.cuh). Each thread moves 8 values (one 16-byte load
-// of gate, one of up, one store): the op is pure bandwidth, and N % 8 == 0 with 16-byte aligned rows is
+// bf16 travels as its 16-bit pattern (helpers in sglang_kdtree/kernels/common.cuh). Each thread moves 8 values (one
+// 16-byte load of gate, one of up, one store): the op is pure bandwidth, and N % 8 == 0 with 16-byte aligned rows is
 // checked by the Python launcher.
 
 #include "common.cuh"

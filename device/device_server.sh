@@ -4,16 +4,16 @@
 # $OUT gets steps.txt, table.txt, summary.json, logs.tar.gz (every step and server log, round logs) and
 # jitcache-server.tar.gz; a short table prints last.
 #
-# The call, from the repo root, after `python benchmarks/device_carry.py` (which packs .whl / .whl-server from
+# The call, from the repo root, after `python device/device_carry.py` (which packs .whl / .whl-server from
 # ../shared/device/fetch-sglang-wheels.sh, slimmed, with the prebuilt Marlin JIT modules of .jitcache/sm90a,
 # .jitcache-server's tarball and .tiny_models into one 51 MiB folder):
-#   run(command="KIMI=1 bash benchmarks/device_server.sh", carry=[".dev-carry"], timeout_s=600,
+#   run(command="KIMI=1 bash device/device_server.sh", carry=[".dev-carry"], timeout_s=600,
 #       kind="nvidia-h200-x2")
 # Without .dev-carry it falls back to carrying .whl and .whl-server (57.5 MiB; then no room for the Marlin JIT
 # modules: the Kimi-shaped servers compile them for minutes) and builds the tiny models here (about a minute).
 # A full run (unit tests, every server kind of the probe, and the bench):
 #   PARALLEL=1 UNIT=1 KIMI=1 BENCH=1 BENCH_KINDS="plain dflash kdtree kdtree-log" \
-#   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash benchmarks/device_server.sh
+#   PROBE="--models llama,dsv3,kimi,kimi-marlin --modes graph,eager" DEADLINE=390 bash device/device_server.sh
 # Knobs: JIT_SEED_WHICH (prebuild_jit.py --which for the seed; default plain,glue,kdtree: a module the seed lacks is
 #   compiled, minutes each; repack,kdtree for a seed made by JIT_EXPORT's default), BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
 #   SGLANG_KDTREE_MOE=marlin), BENCH_ARGS (more bench_server.py options, e.g. "--widths 16,32,48,64"),
@@ -32,7 +32,7 @@
 #   `git archive <commit> sglang_kdtree kernels tests/e2e/sgl_kernel_cuda` export instead; PARTS_ARGS=--trace adds
 #   each step graph's kernels and the gaps between them), SHORT_STARTUP_OK=1 (run the tests / probe even when
 #   the servers would get under 120 s to start, which they need here; otherwise those are skipped), KIMI_ROUND=1
-#   (benchmarks/kimi_round.py on GPU 0 after the tests / probe, within what is left of the deadline).
+#   (python -m benchmarks.kimi_round on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
@@ -51,7 +51,7 @@ step() {
   return $rc
 }
 
-# .dev-carry (benchmarks/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
+# .dev-carry (device/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
 if [ -d .dev-carry/whl ]; then
   WHEELS=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; JIT_SERVER=.dev-carry
   [ -d .dev-carry/tiny_models ] && export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.dev-carry/tiny_models}
@@ -61,7 +61,6 @@ fi
 step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 # SGLang finds the plugin only through the installed package's entry point (PYTHONPATH alone is not enough)
 PLUGIN_CHECK="
 from importlib.metadata import entry_points
@@ -84,7 +83,7 @@ fi
 # JIT_EXPORT=1: build SGLang's JIT modules of JIT_WHICH (prebuild_jit.py --which; default repack,kdtree: what
 # SGLANG_KDTREE_MOE=marlin servers and kimi_round's Marlin piece load; one Marlin module is about 6 minutes of nvcc)
 # for sm_90a in the background, into the servers' JIT cache, and bring them back as $OUT/jit-sm90a.tar.gz (unpack
-# into .jitcache/sm90a: benchmarks/device_carry.py packs it)
+# into .jitcache/sm90a: device/device_carry.py packs it)
 if [ -n "${JIT_EXPORT:-}" ]; then
   ( step jit_export 560 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
       python3 tests/e2e/prebuild_jit.py --which "${JIT_WHICH:-repack,kdtree}" --export /tmp/jit-sm90a \
@@ -110,7 +109,7 @@ import make_kimi_model as m; print(m.ensure_built(Path('$KDTREE_KIMI_MODELS'), l
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$LOGS/commit.txt"
+bash device/commit_stamp.sh > "$LOGS/commit.txt"
 export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)
@@ -145,12 +144,15 @@ run_parts() {  # the round's bookkeeping kernel by kernel (benchmarks/round_part
     step parts 120 python3 benchmarks/round_parts.py --batches 1 8 32 --json "$LOGS/parts.json" ${PARTS_ARGS:-}
   if [ -n "${AB_COMMIT:-}${AB_DIR:-}" ]; then
     rm -rf /tmp/ab_old
-    if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree kernels tests/e2e)
+    if [ -n "${AB_DIR:-}" ]; then  # an export of the older code (git archive: sglang_kdtree tests/e2e; also kernels for
+      # a commit that keeps them at the top level)
       cp -a "$AB_DIR" /tmp/ab_old
     else
       git worktree add -f /tmp/ab_old "$AB_COMMIT" > "$LOGS/ab_worktree.log" 2>&1
     fi
-    ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
+    # a commit with the kernels at the top level reaches them through the link sglang_kdtree/_kernels (an
+    # AB_DIR copy may have lost it)
+    [ ! -d /tmp/ab_old/kernels ] || ln -sfn ../kernels /tmp/ab_old/sglang_kdtree/_kernels
     CUDA_VISIBLE_DEVICES=$1 PYTHONPATH="/tmp/site:/tmp/ab_old:/tmp/ab_old/tests/e2e/sgl_kernel_cuda" \
       step parts_old 120 python3 benchmarks/round_parts.py --batches 1 8 32 ${PARTS_ARGS:-}
   fi
@@ -204,13 +206,13 @@ unset CUDA_VISIBLE_DEVICES
 [ -n "${BENCH:-}" ] && [ -n "${BENCH_AFTER:-}" ] && run_bench 0
 # with PARALLEL, PARTS runs on GPU 0 after the tests / probe and the bench
 [ -n "${PARTS_AFTER:-}" ] && run_parts 0
-# KIMI_ROUND=1: benchmarks/kimi_round.py (the measured Kimi K2.6 round model) on GPU 0 after everything else
+# KIMI_ROUND=1: python -m benchmarks.kimi_round (the measured Kimi K2.6 round model) on GPU 0 after everything else
 if [ -n "${KIMI_ROUND:-}" ]; then
   KR_S=$(( $(left) - 45 )); [ "$KR_S" -gt 200 ] && KR_S=200
   # (the stand-in on the path: the Marlin MoE piece and round_parts' bookkeeping import sgl_kernel; without it
   # both fail here and the MoE is timed on the bf16 fallback)
   [ "$KR_S" -gt 40 ] && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
-    step kimi_round $(( KR_S + 20 )) python3 benchmarks/kimi_round.py --deadline $(( KR_S - 15 )) \
+    step kimi_round $(( KR_S + 20 )) python3 -m benchmarks.kimi_round --deadline $(( KR_S - 15 )) \
     --json "$LOGS/kimi_round.json"
 fi
 

@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" | tee -a "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_topk_gpu.py tests/gpu/test_topk_histogram_gpu.py \
   tests/gpu/test_tree_gpu.py tests/gpu/test_tree_verify_gpu.py tests/test_tree_gpu_boundary.py \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"

@@ -3,7 +3,7 @@
 # tests, benchmark (ours vs bf16 grouped matmul vs the INT4 bandwidth floor). Logs land in $OUT, table last.
 #
 # The call (from the repo root; .whl from ../shared/device/fetch-sglang-wheels.sh, .jitcache optional):
-#   run(command="bash benchmarks/device_marlin.sh", carry=[".whl", ".jitcache"], timeout_s=600,
+#   run(command="bash device/device_marlin.sh", carry=[".whl", ".jitcache"], timeout_s=600,
 #       kind="nvidia-h200")
 # .jitcache/sm90a holds the Marlin repack + MoE modules prebuilt on a CPU machine with
 #   CUDA_HOME=/usr/local/cuda-13.0 python -m sglang_kdtree.moe --warmup --arch 9.0 --export .jitcache/sm90a
@@ -28,11 +28,10 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 # stand-in satisfies those imports; its stubs raise if an op is ever called (our path uses JIT kernels only).
 python3 -c "import sgl_kernel" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/tests/e2e/sgl_kernel_stub
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" >> "$OUT/install.log"
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit
 export MAX_JOBS=16
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 which nvcc >> "$OUT/install.log" 2>&1; nvcc --version >> "$OUT/install.log" 2>&1
 
 step "Marlin JIT (seed from .jitcache/sm90a if present, else compile) in the background"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Whole-project GPU check on the H200 (device tool, carry [".whl"]): install, doctor, every GPU test except
-# Marlin MoE (benchmarks/device_marlin.sh: its first compile takes minutes), and the bench CLI's GPU table on a
+# Marlin MoE (device/device_marlin.sh: its first compile takes minutes), and the bench CLI's GPU table on a
 # small grid. Full logs under $OUT; a short summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

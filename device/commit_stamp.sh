@@ -2,7 +2,7 @@
 # What code a device run ran, for its commit.txt: $COMMIT when the caller names it (the device copy's .git can be
 # older than the working tree it carries: the GPU machine copies the tree, and its HEAD was seen to be the
 # checkout's base, not the commits made on top of it), else the copy's HEAD and how many files differ from it.
-# Usage: bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+# Usage: bash device/commit_stamp.sh > "$OUT/commit.txt"
 set -u
 head=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 if [ -n "${COMMIT:-}" ]; then

@@ -20,7 +20,7 @@ admission with a message naming the field when it asks for
 * an input token id outside ``[0, vocab)`` of the target (SGLang 0.5.23's own server crashes on one).
 
 Temperature, top-k, top-p and min-p are served: at T > 0 the tree accept applies them at every node as SGLang's
-sampler does (``reference.filter_top_k_top_p``; ``kernels/tree_accept.cu`` on CUDA), and at T = 0 none of
+sampler does (``reference.filter_top_k_top_p``; ``sglang_kdtree/kernels/tree_accept.cu`` on CUDA), and at T = 0 none of
 them changes the argmax. Other requests go to SGLang's check.
 """
 

@@ -7,10 +7,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" >> "$OUT/install.log"
-# without the editable install, sglang_kdtree._kernels (= kernels/) resolves through a link in the copy
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs ${TESTS:-tests/gpu/test_accept_gpu.py \
   tests/gpu/test_accept_sampled_gpu.py tests/gpu/test_accept_sampled_distribution_gpu.py tests/gpu/test_compact_gpu.py \
   tests/test_accept_boundary.py} \

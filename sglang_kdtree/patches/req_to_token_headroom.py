@@ -6,15 +6,15 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 row beyond the model's context length, read once when the pool is built).
 
 Why: before every decode round the DFLASH-family ``prepare_for_decode`` maps ``2 * speculative_num_draft_tokens``
-slots past a request's committed length (``2 * max(N, block_size)`` under KDTREE: ``patches/decode_reserve.py``)
-into its ``req_to_token`` row, but the row's headroom is only ``4 + max_speculative_num_draft_tokens``. A request
-whose committed length comes within about one reservation of the context length (SGLang admits requests up to
-``context_len - 1`` tokens) then writes past its row: on the CPU server the scheduler died (prompt 990 + 30 new
-tokens on a 1,024-token model at verify width 65), and on CUDA SGLang's row-assign kernel would write into the
-next row, another request's slot map. Under KDTREE the headroom becomes at least ``4 + 2 * max(M, 32)`` (``M`` =
-``max_speculative_num_draft_tokens``, 32 the largest drafter block): a few hundred int32 per row, no KV memory.
-Request lengths are unaffected (SGLang bounds them by the context length, not by the row width). Other algorithms
-are untouched.
+slots past a request's committed length (``2 * max(N, block_size)`` under KDTREE:
+``sglang_kdtree/patches/decode_reserve.py``) into its ``req_to_token`` row, but the row's headroom is only
+``4 + max_speculative_num_draft_tokens``. A request whose committed length comes within about one reservation of the
+context length (SGLang admits requests up to ``context_len - 1`` tokens) then writes past its row: on the CPU server
+the scheduler died (prompt 990 + 30 new tokens on a 1,024-token model at verify width 65), and on CUDA SGLang's
+row-assign kernel would write into the next row, another request's slot map. Under KDTREE the headroom becomes at
+least ``4 + 2 * max(M, 32)`` (``M`` = ``max_speculative_num_draft_tokens``, 32 the largest drafter block): a few
+hundred int32 per row, no KV memory. Request lengths are unaffected (SGLang bounds them by the context length, not by
+the row width). Other algorithms are untouched.
 """
 
 from __future__ import annotations

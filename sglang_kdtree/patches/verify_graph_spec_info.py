@@ -19,8 +19,8 @@ block is bidirectional and needs no mask). Other algorithms are untouched.
 * ``sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch``: stages a
   batch into the captured graph's static buffers before each replay. The captured verify input also carries
   ``ancestor_bits``, a view of one static ``int32`` buffer per target runner (``max_bs * N * ceil(N/32)``
-  words, allocated before capture), so the fused MLA kernel (``patches/mla_tree_verify.py``) is recorded in
-  the graph instead of SGLang's path; after SGLang's own staging, the hook copies the round's ancestor rows
+  words, allocated before capture), so the fused MLA kernel (``sglang_kdtree/patches/mla_tree_verify.py``) is recorded
+  in the graph instead of SGLang's path; after SGLang's own staging, the hook copies the round's ancestor rows
   into that buffer. Rows of padded requests keep stale bits: their slots and lengths are SGLang's padding,
   and their outputs are discarded.
 """

@@ -1,6 +1,6 @@
 """Pack what a CUDA-server run on the GPU machine needs into one folder that fits its 64 MiB carry.
 
-``benchmarks/device_server.sh`` needs SGLang's pure-Python wheels (``.whl``, from
+``device/device_server.sh`` needs SGLang's pure-Python wheels (``.whl``, from
 ``../shared/device/fetch-sglang-wheels.sh``), the server's extra wheels (``.whl-server``), and, for the
 Kimi-shaped W4A16 target, SGLang's Marlin JIT modules prebuilt for sm_90a (``.jitcache/sm90a``, from
 ``tests/e2e/prebuild_jit.py --export``): 51 + 6.7 + 11 MiB, over the carry. This writes ``.dev-carry/``:
@@ -14,7 +14,7 @@ Kimi-shaped W4A16 target, SGLang's Marlin JIT modules prebuilt for sm_90a (``.ji
   sources and compiles whatever does not match);
 * ``jitcache-server.tar.gz`` and ``tiny_models/`` when they exist and fit.
 
-    python benchmarks/device_carry.py            # then run(..., carry=[".dev-carry"])
+    python device/device_carry.py            # then run(..., carry=[".dev-carry"])
 
 It prints the folder's size; the script refuses to write more than ``--limit`` MiB (default 62).
 """

@@ -1,4 +1,5 @@
-// Shared by every kernel (kernels/moe/ included): the integer types, the one device error-flag table and the bf16 helpers.
+// Shared by every kernel (sglang_kdtree/kernels/moe/ included): the integer types, the one device error-flag table
+// and the bf16 helpers.
 //
 // No system includes: NVRTC's default include path has no cuda_bf16.h / math.h everywhere, so bf16 travels
 // as its 16-bit pattern and is widened / rounded by hand. Included as "common.cuh" (the runtime passes the

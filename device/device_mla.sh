@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || echo "editable install failed" | tee -a "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 echo "install done after $(( $(date +%s) - t0 )) s"
 timeout ${TEST_CAP:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_attention_gpu.py ${TEST_SEL:+-k "$TEST_SEL"} \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"

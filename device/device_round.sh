@@ -2,11 +2,11 @@
 # Issue 12's kernel-side checks on the H200 in one call (no wheels needed): the worker's reserved GpuBackend
 # round against the reference, the MLA kernel (incl. its launch counter under graph replay), accept and
 # commit kernels whose launchers changed. Logs under $OUT, summary last.
-#   run(command="bash benchmarks/device_round.sh", timeout_s=420)
+#   run(command="bash device/device_round.sh", timeout_s=420)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 timeout 360 python3 -m pytest -q -p no:cacheprovider -ra tests/gpu/test_pipeline_gpu.py tests/gpu/test_mla_attention_gpu.py \
   tests/gpu/test_accept_gpu.py tests/gpu/test_accept_sampled_gpu.py tests/gpu/test_accept_sampled_distribution_gpu.py \
   tests/gpu/test_compact_gpu.py tests/test_accept_boundary.py > "$OUT/tests.log" 2>&1

@@ -6,7 +6,7 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 Why: it accepts only ``DRAFT_ATTENTION_BACKEND_CHOICES`` (flashinfer, fa3, fa4, triton, ascend,
 trtllm_mha, intel_xpu) and otherwise falls back to ``flashinfer``, which cannot be built without CUDA
 (``NameError: BatchPrefillWithRaggedKVCacheWrapper``). On a CPU server whose target runs ``torch_native``
-the draft gets ``torch_native`` too (its TARGET_VERIFY path is ``patches/torch_native_verify.py``). On
+the draft gets ``torch_native`` too (its TARGET_VERIFY path is ``sglang_kdtree/patches/torch_native_verify.py``). On
 every other configuration SGLang's answer stands.
 """
 

@@ -2,9 +2,9 @@
 # Issue 15, item 3 on the H200 in one call: Marlin MoE at tree-verify widths (130 / 520 / 2080 tokens = batch
 # 2 / 8 / 32 x N 65), Kimi K2.6 shapes. benchmarks/bench_marlin_moe.py reports ours vs the INT4 weight floor and
 # the bf16 tensor-core compute floor (whichever binds), the bf16 grouped-matmul model, and the stage split with
-# the glue's share of the call. Carry .dev-carry (benchmarks/device_carry.py: slimmed SGLang wheels in whl/,
+# the glue's share of the call. Carry .dev-carry (device/device_carry.py: slimmed SGLang wheels in whl/,
 # the prebuilt Marlin JIT modules in jit/):
-#   run(command="bash benchmarks/device_marlin_verify.sh", carry=[".dev-carry"], timeout_s=300,
+#   run(command="bash device/device_marlin_verify.sh", carry=[".dev-carry"], timeout_s=300,
 #       kind="nvidia-h200")
 # Logs and bench_marlin.json land in $OUT; the tables print last.
 # Knobs: TOKENS (default 130,520,2080), SHAPES (tp8,tp1), BENCH_S (bench time limit, default 150; on SIGTERM the
@@ -20,10 +20,9 @@ step "install the carried wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-carry/whl/*.whl \
   > "$OUT/install.log" 2>&1 || echo "wheel install rc=$? (see install.log)"
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/e2e/sgl_kernel_cuda:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -c "import sglang_kdtree._kernels" 2>/dev/null || ln -sfn ../kernels sglang_kdtree/_kernels
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit-marlin
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-bash benchmarks/commit_stamp.sh > "$OUT/commit.txt"
+bash device/commit_stamp.sh > "$OUT/commit.txt"
 
 # the Marlin repack + MoE modules this path uses, seeded from the prebuilt copies (digest-checked against this
 # sglang / tvm-ffi; SGLang's own load_jit publishes them). No --warmup: a module that does not match would compile.

@@ -1,2 +1,0 @@
-"""CUDA sources of the MoE glue kernels (installed as ``sglang_kdtree._kernels.moe``): alignment to Marlin blocks,
-SiLU-and-mul and the top-k sum; launched by ``sglang_kdtree.moe.launch``."""
