@@ -38,6 +38,7 @@ import pkgutil
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
 from sglang_kdtree.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
@@ -267,6 +268,34 @@ def check_gpu(report: Report, require_gpu: bool) -> str | None:
     return reason
 
 
+def _front_end_check(nvrtc, runtime, name: str, options: tuple[str, ...]) -> tuple[str, str]:
+    """NVRTC's PTX compile of ``kernels/<name>`` on a machine without a GPU: ``("compiled", "")``,
+    ``("recorded", "")`` when the same text, options and NVRTC version compiled before (a record in the kernel
+    cache folder: each compile costs seconds, and the service runs doctor at every install and check), or
+    ``("failed", log)``."""
+    import hashlib
+
+    source = runtime.compile_source(name)
+    key = hashlib.sha256("\0".join((source,) + options + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
+    record = runtime.kernel_cache_dir() / f"sglang_kdtree_front_end_{Path(name).stem}_{key}.ok"
+    if record.is_file():
+        return "recorded", ""
+    program = nvrtc.createProgram(source, name, (), ())
+    try:
+        nvrtc.compileProgram(program, options)
+        nvrtc.getPTX(program)
+    except nvrtc.NVRTCError:
+        return "failed", nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.touch()
+    except OSError:
+        pass  # a read-only cache folder only costs the next run its compile
+    return "compiled", ""
+
+
 def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
     from sglang_kdtree.gpu import runtime
 
@@ -301,20 +330,19 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
             report.warn(f"kernel compile: not checked, NVRTC is not available here ({exc})",
                         "on the serving machine NVRTC comes with the CUDA toolkit or nvidia-cuda-nvrtc")
             return True
-        failed = []
-        options = NVRTC_OPTIONS + (f"-I{kdir}",)
+        failed, passed_before = [], 0
         for name in sources:
             target = runtime.ARCH_SPECIFIC.get(name, f"sm_{arch}").replace("sm_", "compute_")
-            program = nvrtc.createProgram((kdir / name).read_text(), name, (), ())
-            try:
-                nvrtc.compileProgram(program, options + (f"-arch={target}",))
-                nvrtc.getPTX(program)
-            except nvrtc.NVRTCError:
-                failed.append((name, nvrtc.getProgramLog(program)))
-            finally:
-                nvrtc.destroyProgram(program)
+            outcome, log = _front_end_check(nvrtc, runtime, name, NVRTC_OPTIONS + (f"-I{kdir}", f"-arch={target}"))
+            passed_before += outcome == "recorded"
+            if outcome == "failed":
+                failed.append((name, log))
         special = ", ".join(f"{n}: {a.replace('sm_', 'compute_')}" for n, a in runtime.ARCH_SPECIFIC.items())
-        how = f"NVRTC {nvrtc_version} front end, compute_{arch} ({special}; no GPU here to load them)"
+        how = f"NVRTC {nvrtc_version} front end, compute_{arch} ({special}; no GPU here to load them"
+        if passed_before:
+            how += (f"; {passed_before} passed an earlier check of the same source, options and NVRTC, recorded in "
+                    f"{runtime.kernel_cache_dir()}")
+        how += ")"
     seconds = time.perf_counter() - t0
     for name, log in failed:
         report.fail(f"kernel {name} does not compile ({how})",

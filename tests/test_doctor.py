@@ -437,3 +437,34 @@ def test_doctor_loads_an_arch_specific_kernel_only_for_its_gpu(monkeypatch, hopp
         assert special == list(runtime.ARCH_SPECIFIC.items()) and "not for this GPU" not in text
     else:
         assert special == [] and "not for this GPU, not loaded: mla_tree_verify_wgmma.cu (sm_90a)" in text
+
+
+def test_kernel_check_without_a_gpu_records_what_compiled(monkeypatch, tmp_path):
+    """Without a GPU the check is NVRTC's front end; a kernel whose text, options and NVRTC compiled before is
+    not compiled again, a changed one is, and a failing one is never recorded."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:
+        pytest.skip(f"NVRTC is not available here: {exc}")
+    from sglang_kdtree.gpu import runtime
+
+    kdir = tmp_path / "kernels"
+    kdir.mkdir()
+    monkeypatch.setattr(runtime, "kernels_dir", lambda: kdir)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+
+    def check(body: str) -> tuple[bool, str]:
+        (kdir / "tiny.cu").write_text('extern "C" __global__ void tiny(int *x) { ' + body + " }\n")
+        report = doctor.Report(out=io.StringIO())
+        return doctor.check_kernels(report, "torch sees no CUDA device", "90"), report.out.getvalue()
+
+    ok, text = check("x[0] = 1;")
+    assert ok and "kernel compile: 1/1 kernels" in text and "earlier check" not in text, text
+    ok, text = check("x[0] = 1;")
+    assert ok and "1 passed an earlier check of the same source, options and NVRTC" in text, text
+    ok, text = check("x[0] = 2;")
+    assert ok and "earlier check" not in text, text
+    for _ in range(2):
+        ok, text = check("x[0] = ;")
+        assert not ok and "kernel tiny.cu does not compile" in text, text

@@ -81,6 +81,14 @@ def load_module(name: str, options: tuple[str, ...] = ()):
     return cupy.RawModule(code=compile_source(name), options=opts, name_expressions=None)
 
 
+def kernel_cache_dir() -> Path:
+    """CuPy's on-disk kernel cache folder (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), where the
+    cubins CuPy cannot cache for us and doctor's compile-check records live beside CuPy's own."""
+    import os
+
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
 @functools.cache
 def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
     """``load_module`` for an architecture-specific target such as ``sm_90a`` (Hopper's wgmma), which CuPy's
@@ -98,7 +106,7 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
     opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}", f"--gpu-architecture={arch}") + tuple(options)
     source = compile_source(name)
     key = hashlib.sha256("\0".join((source,) + opts + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
-    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cache = kernel_cache_dir()
     path = cache / f"sglang_kdtree_{Path(name).stem}_{arch}_{key}.cubin"
     if not path.is_file():
         prog = nvrtc.createProgram(source, name, [], [])
