@@ -14,7 +14,7 @@ ROTATE x REPEAT calls (device time, what SGLang's graph replay sees) and around 
 (adds Python + launch overhead). Sanity: per-token relative error of ours and of the bf16 path vs the
 fp32 float reference (tests/gpu/test_marlin_moe_gpu.py is the correctness gate).
 
-Which floor binds (issue 15, item 3: Marlin MoE at verify widths, 130 / 520 / 2080 tokens = batch 2 / 8 / 32
+Which floor binds (Marlin MoE at verify widths, 130 / 520 / 2080 tokens = batch 2 / 8 / 32
 x N 65): besides the INT4 weight floor, a compute floor = the call's useful tensor-core FLOPs
 (``moe_flops``: 2 x tokens x top_k x (hidden x 2 inter + inter x hidden), Marlin's block padding not counted)
 / ``BF16_PEAK_FLOPS``. The larger of the two binds; "% bound" = binding floor / ours. The stage split

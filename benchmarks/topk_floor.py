@@ -4,7 +4,7 @@ bf16 logits that a probe kernel here reaches (a max over each row chunk: the lea
 it must read every logit once), and our top-K (``sglang_kdtree.gpu.topk``, the kernels the worker launches).
 
 Each is timed two ways, both CUDA-event medians of device time:
-- ``1/graph``: a CUDA graph holding one call, replayed back to back (``topk_ab.py``'s measure, issue 15's);
+- ``1/graph``: a CUDA graph holding one call, replayed back to back (``topk_ab.py``'s measure);
 - ``in graph``: one graph holding ``--calls`` back-to-back calls, per call (no graph launch between calls).
 
     python benchmarks/topk_floor.py [--batches 1 8 32 64] [--budgets 64 512] [--calls 20] [--json OUT]

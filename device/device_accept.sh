@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on the H200 in one call: install, exactness tests (accept, compaction, gather), benchmarks
+# Accept, compaction and gather on the H200 in one call: install, exactness tests (accept, compaction, gather), benchmarks
 # (accept vs SGLang's verify_tree_greedy, MLA compaction vs SGLang's per-layer copy and the HBM floor).
 # Run from the repo root through the device tool with carry [".whl"]; logs land in $OUT, tables last.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on the H200 in one call: install, Marlin MoE JIT (seeded or compiled), glue + Marlin correctness
+# Marlin MoE on the H200 in one call: install, Marlin MoE JIT (seeded or compiled), glue + Marlin correctness
 # tests, benchmark (ours vs bf16 grouped matmul vs the INT4 bandwidth floor). Logs land in $OUT, table last.
 #
 # The call (from the repo root; .whl from ../shared/device/fetch-sglang-wheels.sh, .jitcache optional):

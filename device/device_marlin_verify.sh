@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15, item 3 on the H200 in one call: Marlin MoE at tree-verify widths (130 / 520 / 2080 tokens = batch
+# On the H200 in one call: Marlin MoE at tree-verify widths (130 / 520 / 2080 tokens = batch
 # 2 / 8 / 32 x N 65), Kimi K2.6 shapes. benchmarks/bench_marlin_moe.py reports ours vs the INT4 weight floor and
 # the bf16 tensor-core compute floor (whichever binds), the bf16 grouped-matmul model, and the stage split with
 # the glue's share of the call. Carry .dev-carry (device/device_carry.py: slimmed SGLang wheels in whl/,

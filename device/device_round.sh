@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's kernel-side checks on the H200 in one call (no wheels needed): the worker's reserved GpuBackend
+# The round's kernel-side checks on the H200 in one call (no wheels needed): the worker's reserved GpuBackend
 # round against the reference, the MLA kernel (incl. its launch counter under graph replay), accept and
 # commit kernels whose launchers changed. Logs under $OUT, summary last.
 #   run(command="bash device/device_round.sh", timeout_s=420)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on the H200 in one call: real CUDA SGLang servers with our plugin, plain vs KDTREE, token for token
+# On the H200 in one call: real CUDA SGLang servers with our plugin, plain vs KDTREE, token for token
 # (tests/gpu/test_server_cuda.py), through the test-only sgl_kernel stand-in (tests/e2e/sgl_kernel_cuda).
 # $OUT gets steps.txt, table.txt, summary.json, logs.tar.gz (every step and server log, round logs) and
 # jitcache-server.tar.gz; a short table prints last.

@@ -1,4 +1,4 @@
-"""The testbed pair (``testbed/``, issue 41) on the CPU: corpus split, tokenizer, the ``--tiny`` build, and the
+"""The testbed pair (``testbed/``) on the CPU: corpus split, tokenizer, the ``--tiny`` build, and the
 training forwards against SGLang's inference forwards of the same checkpoints."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dump a CPU KDTREE server's greedy and seeded outputs as JSON, to show a refactor changes no output.
 
-    python tests/e2e/dump_outputs.py OUT.json        # then diff two dumps (issue 14's "must show")
+    python tests/e2e/dump_outputs.py OUT.json        # then diff two dumps
 
 For the tiny Llama and DeepSeek-V3 targets: the e2e suite's 18 mixed-length prompts, greedy (24 tokens,
 concurrent) and seeded at T = 1.5 with top-p 0.9 / top-k 20 / min-p 0.05 (16 tokens, concurrent): the output

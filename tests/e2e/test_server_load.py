@@ -1,4 +1,4 @@
-"""Load and leaks (issue 13, item 5), and three request features, on a real KDTREE CPU server (tiny Llama).
+"""Load and leaks, and three request features, on a real KDTREE CPU server (tiny Llama).
 
 One KDTREE server for the module, started with SGLang's own memory checks at their strictest:
 ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1`` (after every batch the scheduler asserts that free + cached +

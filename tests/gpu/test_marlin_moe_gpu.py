@@ -20,7 +20,7 @@ from sglang_kdtree.moe import weights as mw
 
 pytestmark = pytest.mark.gpu
 
-#: Issue 7's bar: ||ours - ref|| / ||ref|| over the whole output vs the fp32 reference, for the default
+#: The accuracy bar: ||ours - ref|| / ||ref|| over the whole output vs the fp32 reference, for the default
 #: (fp32) reduce.
 REL_TOL = 1e-2
 #: Per-token bound, to catch a single broken token: our path (like SGLang's) rounds the gate/up output, the
