@@ -39,8 +39,6 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
         (1, "A3: the round's one fault read; moves to on_verify_complete_cpu with overlap"),
     ("round_faults.py", "_batch_flag_faults", ".tolist()"):
         (2, "only when a batch-level fault flag is set, to trace it to its requests"),
-    ("round_faults.py", "abort_round_outputs", "host tensor .to(device)"):
-        (1, "failure path: a round that ended its requests"),
     ("round_faults.py", "release_round_caches", ".empty_cache()"): (1, "failure path: OOM retry"),
     ("width_choice.py", "WidthChooser.settle", ".tolist()"):
         (1, "a pinned host copy whose event has completed (event.query()): no wait"),
@@ -63,6 +61,8 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     # test and debug modes
     ("gpu/mla_attention.py", "mla_tree_verify_reference", ".tolist()"): (1, "the kernel's reference twin (tests)"),
     ("gpu/mla_attention.py", "synthetic_inputs", "host tensor .to(device)"): (2, "test inputs"),
+    ("verify_input.py", "host_prefix_lens", '.to("cpu")'): (1, "check mode (KDTREE_CHECK_HOST_LENS, e2e tests)"),
+    ("verify_input.py", "host_prefix_lens", ".tolist()"): (2, "check mode: the failure's message"),
     ("gpu/topk.py", "raise_on_flag", ".item()"): (1, "check=True test mode"),
     ("gpu/errors.py", "error_bits", ".tolist()"): (1, "check=True test mode and error messages"),
     ("moe/routing.py", "raise_on_route_error", ".item()"): (1, "tests and debugging"),
@@ -75,15 +75,6 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     ("gpu/compact.py", "kv_layer_table", "host tensor .to(device)"):
         (1, "startup: a KV pool's layer pointer table, built once per pool"),
     ("gpu/runtime.py", "launch", ".item()"): (1, "numpy scalars of a kernel launch's arguments (host values)"),
-    # the round's own
-    ("contract.py", "move_kv_with_sglang", "bool(.any())"):
-        (1, "B2: whether any KV row moves (pools compact_kv cannot move, and CPU)"),
-    ("seeded.py", "request_seeds", "torch.tensor(device=)"): (1, "B1: the seeds' pageable upload (T > 0 rounds)"),
-    ("seeded.py", "reseed_prefill_samples", "torch.tensor(device=)"):
-        (1, "seeded prefill: the rows to draw again (rare)"),
-    ("worker.py", "KDTreeWorker._begin_round", '.to("cpu")'): (1, "A1: the prefix lengths' host copy"),
-    ("worker.py", "KDTreeWorker._draft_block", '.to("cpu")'): (1, "A2: the draft block's host bound"),
-    ("verify_input.py", "tree_verify_batch", "int(.sum())"): (1, "the verify lengths' sum (a host tensor)"),
 }
 
 
