@@ -247,9 +247,11 @@ def eager_accept_commit_greedy(backend: RoundBackend, trees, logits, depth: int,
 
 
 def move_kv_with_sglang(pool, plan) -> None:
-    """Apply a commit plan with the pool's own ``move_kv_cache`` (only the rows whose slot changes; one host
-    sync to know whether any does)."""
-    valid = plan.src_slots >= 0
-    moving = valid & (plan.src_slots != plan.dst_slots)
-    if bool(moving.any()):
-        pool.move_kv_cache(plan.dst_slots[moving], plan.src_slots[moving])
+    """Apply a commit plan with the pool's own ``move_kv_cache``, in one fixed-shape call (every plan row) so the
+    host never waits to learn which rows move: a row that keeps its slot copies it onto itself, and a padding row
+    (``dst_slots`` -1) copies SGLang's padding slot 0 onto itself; neither changes a byte. No such self-copy
+    touches a slot that a moving row reads or writes: an accepted path strictly increases from node 0, so a row
+    that keeps its slot has only such rows before it, and every moving row reads a node past it."""
+    dst = plan.dst_slots.clamp_min(0)
+    src = torch.where((plan.src_slots >= 0) & (plan.src_slots != plan.dst_slots), plan.src_slots, dst)
+    pool.move_kv_cache(dst.reshape(-1), src.reshape(-1))

@@ -187,10 +187,12 @@ def placeholder_tokens(reqs, model_eos) -> list[int]:
 def abort_round_outputs(seq_lens: torch.Tensor, tokens: list[int], width: int):
     """``(next_token_ids [bs * width], accept_lens [bs] int32, new_seq_lens [bs] int64)`` of a round that
     verified nothing: each request commits one token (``tokens[b]``, at column 0 of its stride-``width`` row)."""
+    from sglang.srt.utils.common import async_h2d
+
     bs = int(seq_lens.shape[0])
     device = seq_lens.device
     out = torch.zeros((bs, width), dtype=torch.int64, device=device)
-    out[:, 0] = torch.tensor(tokens, dtype=torch.int64).to(device)
+    out[:, 0] = async_h2d(tokens, dtype=torch.int64, device=device)
     accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
     new_seq_lens = seq_lens.to(torch.int64) + 1
     return out.reshape(-1), accept_lens, new_seq_lens

@@ -9,6 +9,7 @@ of a seeded T > 0 request is drawn again here with the same seeded sampler (``pr
 from __future__ import annotations
 
 import torch
+from sglang.srt.utils.common import async_h2d
 
 from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs
 
@@ -30,7 +31,8 @@ def request_seeds(batch, device) -> tuple[torch.Tensor, list[bool]]:
         seed = req.sampling_params.sampling_seed
         own.append(seed is not None)
         seeds.append(int(seed) if seed is not None else int(torch.randint(0, 2**31 - 1, ())))
-    return torch.tensor(seeds, dtype=torch.int64, device=device), own
+    # pinned and non-blocking: a pageable upload would make the host wait for the device every T > 0 round
+    return async_h2d(seeds, dtype=torch.int64, device=device), own
 
 
 def has_seeded_sampling(batch) -> bool:
@@ -72,10 +74,11 @@ def reseed_prefill_samples(backend, vocab_size: int, device, batch, result, logi
     sampling = batch.sampling_info
     seeds, own = request_seeds(batch, device)
     temps = sampling.temperatures.view(-1)
-    rows = [b for b, mine in enumerate(own) if mine and float(temps[b]) > 0]
+    # the host's own temperatures (``temps`` is their device copy): reading ``temps`` would wait for the device
+    rows = [b for b, (req, mine) in enumerate(zip(batch.reqs, own)) if mine and req.sampling_params.temperature > 0]
     if not rows:
         return
-    index = torch.tensor(rows, device=device)
+    index = async_h2d(rows, dtype=torch.int64, device=device)
     top_ks, top_ps = per_request(sampling.top_ks), per_request(sampling.top_ps)
     min_ps = per_request(sampling.min_ps) if sampling.need_min_p_sampling else None
     drawn = backend.sample_tokens(logits[index, :vocab_size], temps[index], seeds[index],

@@ -12,6 +12,32 @@ import torch
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
 
+#: test mode (the e2e servers set it): each round checks SGLang's host lengths against the device's, a host sync
+CHECK_HOST_LENS_ENV = "KDTREE_CHECK_HOST_LENS"
+
+
+def host_prefix_lens(batch, check: bool = False) -> tuple[torch.Tensor, int]:
+    """``(P on the host [bs] int64, sum(P))`` from SGLang's ``batch.seq_lens_cpu``, with no device read.
+
+    SGLang keeps it exact when the worker is called: without overlap ``DFlashDraftInputV2.prepare_for_decode``
+    writes each request's ``kv_committed_len``, which processing the previous round's result advanced by its
+    ``accept_lens`` (the device ``seq_lens`` is that round's ``new_seq_lens = P + accept_lens``); with overlap
+    ``FutureMap.resolve_seq_lens_cpu`` overwrites it with the published lengths (for backends that need host
+    lengths, which every tree-mask backend does; otherwise it is None and this raises). ``check`` compares it
+    with the device lengths."""
+    lens_cpu = batch.seq_lens_cpu
+    if lens_cpu is None:
+        raise RuntimeError("KDTREE needs the batch's host lengths (seq_lens_cpu) at the round's start; SGLang "
+                           "left them unset (an attention backend that declares needs_cpu_seq_lens=False)")
+    lens_cpu = lens_cpu.to(torch.int64)
+    if check:
+        device_lens = batch.seq_lens.to("cpu", torch.int64)
+        if not torch.equal(device_lens, lens_cpu) or batch.seq_lens_sum not in (None, int(lens_cpu.sum())):
+            raise AssertionError(f"KDTREE: SGLang's host lengths {lens_cpu.tolist()} (sum {batch.seq_lens_sum}) "
+                                 f"differ from the device's {device_lens.tolist()}")
+    return lens_cpu, int(lens_cpu.sum())
+
+
 class KDTreeVerifyInput(DFlashVerifyInput):
     """DFLASH's verify input carrying the tree: ``custom_mask`` (FULL_MASK) plus the DDTree extras that
     tree-aware kernels read (``sglang_kdtree/patches/mla_tree_verify.py`` reads ``ancestor_bits``)."""
@@ -22,17 +48,18 @@ class KDTreeVerifyInput(DFlashVerifyInput):
     retrieve_next_sibling: torch.Tensor | None = None
 
 
-def tree_verify_batch(target_worker, batch, verify, verify_slots, prefix_lens, prefix_cpu, width: int):
+def tree_verify_batch(target_worker, batch, verify, verify_slots, prefix_lens, prefix_cpu, prefix_sum: int,
+                      width: int):
     """The TARGET_VERIFY forward batch of a round: the N rows of ``verify`` (``contract.VerifyInputs``) per
     request, written into KV slots ``verify_slots`` ``[bs, N]`` (``req_to_token[req, P:P+N]``) after the
-    committed prefixes ``prefix_lens`` (``prefix_cpu`` their host copy). Returns ``(forward_batch, kv_plan)``;
-    the round's drafter write reads ``kv_plan`` too. ``batch.out_cache_loc`` is left at the verify slots;
-    its host lengths are put back."""
+    committed prefixes ``prefix_lens`` (``prefix_cpu`` their host copy, ``prefix_sum`` its sum). Returns
+    ``(forward_batch, kv_plan)``; the round's drafter write reads ``kv_plan`` too. ``batch.out_cache_loc`` is left
+    at the verify slots; its host lengths are put back."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-    seq_lens_cpu_verify = prefix_cpu + width
+    verify_lens_cpu = prefix_cpu + width
     plan = target_worker.model_runner.kv_index_translator.plan(
-        req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, seq_lens_cpu=seq_lens_cpu_verify,
+        req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, seq_lens_cpu=verify_lens_cpu,
         write_virtual=verify_slots.reshape(-1), read_extent=width,
     )
     verify_input = KDTreeVerifyInput(
@@ -45,8 +72,8 @@ def tree_verify_batch(target_worker, batch, verify, verify_slots, prefix_lens, p
     verify_input.retrieve_next_sibling = verify.retrieve_next_sibling
     batch.out_cache_loc = verify_slots.reshape(-1)
     saved_cpu, saved_sum = batch.seq_lens_cpu, batch.seq_lens_sum
-    batch.seq_lens_cpu = seq_lens_cpu_verify
-    batch.seq_lens_sum = int(seq_lens_cpu_verify.sum())
+    batch.seq_lens_cpu = verify_lens_cpu
+    batch.seq_lens_sum = prefix_sum + len(prefix_cpu) * width
     forward_batch, _ = verify_input.prepare_for_verify(batch, target_worker)
     batch.seq_lens_cpu, batch.seq_lens_sum = saved_cpu, saved_sum
     return forward_batch, plan

@@ -31,8 +31,10 @@ Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_k
 block, vocabulary) is ``self.geometry``, published for the patches with ``state.publish``.
 
 Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
-``--disable-overlap-schedule`` is refused at startup). The round still reads lengths on the host (tree
-widths of the FULL_MASK, the reference path's numpy round trip), so it cannot run ahead of the scheduler.
+``--disable-overlap-schedule`` is refused at startup). The round's host lengths are SGLang's own
+(``verify_input.host_prefix_lens``), but it still reads its fault flags on the host at its end
+(``round_faults.end_faulty_requests``) and times the width choice on the host clock, so it cannot run ahead of
+the scheduler; ``tests/test_host_syncs.py`` lists every host sync left on the round's path.
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
 requests they hit (``end_faulty_requests``); an allocation failure (``torch.OutOfMemoryError`` /
@@ -75,7 +77,8 @@ try:  # SGLang's worker: absent only on installs without SGLang (the plugin then
 except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"sglang_kdtree.worker needs SGLang 0.5.23's DFlashWorkerV2: {exc}") from exc
 
-from sglang_kdtree.verify_input import KDTreeVerifyInput, tree_verify_batch  # noqa: E402,F401  (re-exported)
+from sglang_kdtree.verify_input import (  # noqa: E402,F401  (KDTreeVerifyInput, tree_verify_batch: re-exported)
+    CHECK_HOST_LENS_ENV, KDTreeVerifyInput, host_prefix_lens, tree_verify_batch)
 
 #: ``off`` keeps the GPU round's bookkeeping out of CUDA graphs (``gpu/round_graphs.py``)
 TREE_GRAPH_ENV = "SGLANG_KDTREE_TREE_GRAPH"
@@ -105,8 +108,8 @@ class _Round:
     batch: object
     draft_input: object  # SGLang's DFlashDraftInputV2: the bonus tokens (the trees' roots)
     prefix_lens: torch.Tensor  # [bs] int64 committed lengths P
-    prefix_cpu: torch.Tensor  # their host copy
-    prefix_sum: int  # sum(P) on the host
+    prefix_cpu: torch.Tensor  # the same on the host (SGLang's seq_lens_cpu: verify_input.host_prefix_lens)
+    prefix_sum: int  # sum(P)
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
     shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
@@ -157,6 +160,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
         self._test_faults_path = os.environ.get(round_faults.TEST_FAULTS_ENV) or None
+        self._check_host_lens = os.environ.get(CHECK_HOST_LENS_ENV) == "1"
         self._dumped = 0
         # the GPU round's bookkeeping (tree step; greedy accept + commit) replays CUDA graphs
         # (gpu/round_graphs.py) unless CUDA graphs are off for the server or SGLANG_KDTREE_TREE_GRAPH=off
@@ -217,7 +221,7 @@ class KDTreeWorker(DFlashWorkerV2):
     def _tree_round(self, batch, on_publish):
         """One decode round: the numbered steps of the module docstring, top to bottom."""
         rnd = self._begin_round(batch)
-        draft_hidden = self._draft_block(batch, rnd.draft_input, rnd.prefix_lens)  # 1. draft
+        draft_hidden = self._draft_block(rnd)  # 1. draft
         rnd.marks.mark("draft")
         step = self._topk_and_tree(rnd, draft_hidden)  # 2-3. top-K, tree, cut
         verify_slots, kv_plan, target_out, logits = self._verify(rnd, step.trees, step.verify)  # 4. verify
@@ -240,8 +244,7 @@ class KDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
         started = time.perf_counter()
         prefix_lens = batch.seq_lens.to(torch.int64)
-        prefix_cpu = prefix_lens.to("cpu")
-        prefix_sum = int(prefix_cpu.sum())
+        prefix_cpu, prefix_sum = host_prefix_lens(batch, check=self._check_host_lens)
         shape = self.geometry.shape(self.chooser.choose(len(prefix_cpu), prefix_sum))
         rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
                      RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
@@ -256,7 +259,7 @@ class KDTreeWorker(DFlashWorkerV2):
         cols = prefix_lens.to(torch.int64)[:, None] + torch.arange(width, device=prefix_lens.device)[None, :]
         return req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], cols].to(torch.int64)
 
-    def _draft_block(self, batch, draft_input, prefix_lens):
+    def _draft_block(self, rnd: _Round):
         """Run the DFlash drafter over ``[bonus, MASK...]``; returns the draft hidden states [bs, block, H]."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
         from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
@@ -264,7 +267,8 @@ class KDTreeWorker(DFlashWorkerV2):
         from sglang.srt.speculative.spec_utils import draft_tp_context
         from sglang.srt.lora.layers import unwrap_lora_layer
 
-        bs, block = len(prefix_lens), int(self.block_size)
+        batch, draft_input, prefix_lens = rnd.batch, rnd.draft_input, rnd.prefix_lens
+        bs, block = rnd.bs, int(self.block_size)
         block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64, device=self.device)
         block_ids[:, 0] = draft_input.bonus_tokens.to(torch.int64)
         positions = prefix_lens.to(torch.int64)[:, None] + torch.arange(block, device=self.device)[None, :]
@@ -278,7 +282,7 @@ class KDTreeWorker(DFlashWorkerV2):
         if self._noise_embed_scale != 1.0:
             embeds = embeds * self._noise_embed_scale
         embeds = embeds.to(self._draft_dtype)
-        seq_lens_cpu = prefix_lens.to("cpu", torch.int64) + block
+        seq_lens_cpu = rnd.prefix_cpu + block
         plan = self.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, seq_lens_cpu=seq_lens_cpu,
             write_virtual=cache_loc.reshape(-1), read_extent=block,
@@ -286,7 +290,7 @@ class KDTreeWorker(DFlashWorkerV2):
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=block_ids.reshape(-1),
             req_pool_indices=batch.req_pool_indices, seq_lens=prefix_lens, out_cache_loc=cache_loc.reshape(-1),
-            seq_lens_sum=int(seq_lens_cpu.sum()), seq_lens_cpu=seq_lens_cpu, positions=positions.reshape(-1),
+            seq_lens_sum=rnd.prefix_sum + bs * block, seq_lens_cpu=seq_lens_cpu, positions=positions.reshape(-1),
             input_embeds=embeds.reshape(-1, embeds.shape[-1]), spec_algorithm=SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_block_spec_info, capture_hidden_mode=CaptureHiddenMode.NULL,
             global_num_token_non_padded_cpu=bs * block, can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
@@ -342,7 +346,7 @@ class KDTreeWorker(DFlashWorkerV2):
         verify_slots = self._gather_slots(rnd.batch, rnd.prefix_lens, width)
         with self.verify_tiers.use(width):  # the target's attention backend and verify graphs of this width
             verify_fb, kv_plan = tree_verify_batch(self.target_worker, rnd.batch, verify, verify_slots,
-                                                   rnd.prefix_lens, rnd.prefix_cpu, width)
+                                                   rnd.prefix_lens, rnd.prefix_cpu, rnd.prefix_sum, width)
             rnd.marks.mark("prepare")
             target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
                                                                      is_verify=True, skip_attn_backend_init=True)

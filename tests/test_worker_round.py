@@ -128,16 +128,46 @@ def test_reference_gather_hidden_takes_the_accepted_rows_not_the_first_tau():
     assert torch.equal(out[1, :2], hidden[[5, 9]])
 
 
-def test_move_kv_with_sglang_moves_only_changed_rows():
+def test_move_kv_with_sglang_is_one_fixed_shape_call():
+    """Every plan row in one call, whatever moves: rows that keep their slot copy it onto itself, padding rows
+    copy slot 0 onto itself (no host read decides what to pass)."""
     calls = []
     pool = types.SimpleNamespace(move_kv_cache=lambda dst, src: calls.append((dst.tolist(), src.tolist())))
     plan = types.SimpleNamespace(src_slots=torch.tensor([[10, 12, -1], [20, 21, 22]]),
                                  dst_slots=torch.tensor([[10, 11, -1], [20, 21, 22]]))
     pipeline.move_kv_with_sglang(pool, plan)
-    assert calls == [([11], [12])]
+    assert calls == [([10, 11, 0, 20, 21, 22], [10, 12, 0, 20, 21, 22])]
     calls.clear()
     pipeline.move_kv_with_sglang(pool, types.SimpleNamespace(src_slots=plan.dst_slots, dst_slots=plan.dst_slots))
-    assert calls == []  # nothing moves: no call at all
+    assert calls == [([10, 11, 0, 20, 21, 22], [10, 11, 0, 20, 21, 22])]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_move_kv_with_sglang_moves_exactly_what_a_move_of_the_changed_rows_moves(seed):
+    """SGLang's own row move (``move_kv_cache_native``) on random accepted paths: the KV after the fixed-shape call
+    is bit-identical to moving only the rows whose slot changes."""
+    from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+
+    from sglang_kdtree.reference import compact
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, width, slots = 5, 6, 64
+    verify_slots = 1 + torch.randperm(slots - 1, generator=gen)[: bs * width].view(bs, width)  # slot 0: padding
+    accepted = torch.full((bs, width), -1, dtype=torch.int64)
+    accept_lens = torch.randint(1, width + 1, (bs,), generator=gen)
+    for b in range(bs):
+        path = torch.randperm(width - 1, generator=gen)[: int(accept_lens[b]) - 1].sort().values + 1
+        accepted[b, : int(accept_lens[b])] = torch.cat([torch.zeros(1, dtype=torch.int64), path])
+    plan = compact.commit_plan(accepted.numpy(), accept_lens.numpy(), verify_slots.numpy())
+    plan = types.SimpleNamespace(src_slots=torch.from_numpy(plan.src_slots),
+                                 dst_slots=torch.from_numpy(plan.dst_slots))
+    k, v = torch.randn(slots, 2, 3, generator=gen), torch.randn(slots, 2, 3, generator=gen)
+    k_ref, v_ref = k.clone(), v.clone()
+    moving = (plan.src_slots >= 0) & (plan.src_slots != plan.dst_slots)
+    move_kv_cache_native([k_ref], [v_ref], plan.dst_slots[moving], plan.src_slots[moving])
+    pool = types.SimpleNamespace(move_kv_cache=lambda dst, src: move_kv_cache_native([k], [v], dst, src))
+    pipeline.move_kv_with_sglang(pool, plan)
+    assert bool(moving.any()) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 @pytest.mark.parametrize("current, needed, expect", [(0, 5, 5), (8, 5, 8), (8, 9, 16), (8, 40, 40)])
@@ -413,3 +443,49 @@ def test_a_decode_batch_with_a_grammar_is_ended_not_raised(single_rank):
     assert all(req.skip_radix_cache_insert for req in batch.reqs)
     assert result.accept_lens.tolist() == [1, 1] and result.new_seq_lens.tolist() == [4, 5]
     assert worker.calls == []  # no round ran
+
+
+def _round_start_worker():
+    """The part of a ``KDTreeWorker`` that ``_begin_round`` reads."""
+    from sglang_kdtree.state import Geometry
+    from sglang_kdtree.width_choice import WidthChooser
+    from sglang_kdtree.worker import KDTreeWorker
+
+    worker = object.__new__(KDTreeWorker)
+    worker.geometry = Geometry(budget=7, block_size=4, vocab_size=10)
+    worker.budget, worker.depths, worker.vocab_size, worker.verify_width = 7, 3, 10, 8
+    worker.backend, worker.device = pipeline.ReferenceBackend("cpu"), "cpu"
+    worker.chooser = WidthChooser(worker.geometry.tiers)
+    worker._round_log, worker._mark_events, worker._check_host_lens = None, [], False
+    return worker
+
+
+def _decode_batch(seq_lens, seq_lens_cpu, seq_lens_sum=None):
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    return types.SimpleNamespace(spec_info=DFlashDraftInputV2.create_idle_input("cpu"), seq_lens=seq_lens,
+                                 seq_lens_cpu=seq_lens_cpu, seq_lens_sum=seq_lens_sum)
+
+
+def test_the_round_takes_its_host_lengths_from_sglang_without_reading_the_device():
+    """``seq_lens`` on the meta device: any host read of it raises, so the round's start reads none."""
+    worker = _round_start_worker()
+    batch = _decode_batch(torch.tensor([5, 9, 1], device="meta"), torch.tensor([5, 9, 1]))
+    rnd = worker._begin_round(batch)
+    assert rnd.prefix_cpu.tolist() == [5, 9, 1] and rnd.prefix_sum == 15 and rnd.bs == 3
+    worker._check_host_lens = True  # the e2e servers' check does read the device
+    with pytest.raises(NotImplementedError):
+        worker._begin_round(batch)
+
+
+def test_the_host_lengths_check_catches_a_stale_host_copy():
+    from sglang_kdtree.verify_input import host_prefix_lens
+
+    exact = _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=14)
+    assert host_prefix_lens(exact, check=True)[1] == 14
+    for stale in (_decode_batch(torch.tensor([5, 9]), torch.tensor([4, 9])),
+                  _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=12)):
+        with pytest.raises(AssertionError, match="host lengths"):
+            host_prefix_lens(stale, check=True)
+    with pytest.raises(RuntimeError, match="seq_lens_cpu"):
+        host_prefix_lens(_decode_batch(torch.tensor([5]), None))

@@ -68,6 +68,8 @@ def server_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(extra or {})
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # every round checks that SGLang's host lengths, which the round reads instead of the device's, are exact
+    env.setdefault("KDTREE_CHECK_HOST_LENS", "1")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(STUB_DIR), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
