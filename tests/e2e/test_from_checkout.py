@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, Server, base_server_args, free_port, server_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import make_tiny_models as tiny
 from server_requests import NEW_TOKENS, PROMPTS, _concurrent, _generate_or_error, _greedy, _kdtree_args
 
 # One target is enough here: what is exercised is SGLang's request handling around the KDTREE round.
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
 
 #: What SGLang's memory checks say when they find a leak (``scheduler_components/invariant_checker.py``).
 LEAK_MARKERS = ("memory leak detected", "Mem Leak Detected", "KV double free", "KV page use-after-free")

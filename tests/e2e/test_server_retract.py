@@ -14,7 +14,7 @@ from server_requests import PROMPTS, _concurrent, _greedy, _kdtree_args
 
 # One target suffices: retraction and re-prefill are the scheduler's, the same for MHA and MLA pools (the tiny
 # DeepSeek-V3 was also identical, 18 retractions, in a one-off run).
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
 
 
 def test_retracted_requests_finish_identical_to_the_plain_server(plain_server, tiny_models, server_logs):

@@ -12,7 +12,7 @@ from conftest import start_server
 from server_requests import PROMPTS, _concurrent, _greedy, _kdtree_args
 
 # One target suffices for the reservation geometry.
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
 
 
 def test_small_budget_below_half_the_draft_block(plain_server, tiny_models, server_logs):

@@ -40,6 +40,7 @@ def _serve(plain_server, tiny_models, server_logs, policy: str):
     return plain, spec, rounds
 
 
+@pytest.mark.extended
 def test_widths_forced_to_change_every_round_stay_exact(plain_server, tiny_models, server_logs):
     """``cycle``: consecutive rounds of the same running requests verify 4, 8, 17, 4, ... rows."""
     plain, spec, rounds = _serve(plain_server, tiny_models, server_logs, "cycle")
