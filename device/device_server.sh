@@ -91,8 +91,8 @@ if [ -n "${JIT_EXPORT:-}" ]; then
   JIT_PID=$!
 fi
 
-# built here if missing (an ignored folder: it stays on a warm machine between calls)
-export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.tiny_models}
+# the committed build (tests/e2e/tiny_models); rebuilt here only if it no longer matches its generator
+export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/tests/e2e/tiny_models}
 step models 200 python3 -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'tests/e2e')
 import make_tiny_models as m; print(m.ensure_built(Path('$KDTREE_TINY_MODELS'), log=print))"
