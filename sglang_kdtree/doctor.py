@@ -273,10 +273,8 @@ def _front_end_check(nvrtc, runtime, name: str, options: tuple[str, ...]) -> tup
     ``("recorded", "")`` when the same text, options and NVRTC version compiled before (a record in the kernel
     cache folder: each compile costs seconds, and the service runs doctor at every install and check), or
     ``("failed", log)``."""
-    import hashlib
-
     source = runtime.compile_source(name)
-    key = hashlib.sha256("\0".join((source,) + options + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
+    key = runtime.nvrtc_cache_key(source, options)
     record = runtime.kernel_cache_dir() / f"sglang_kdtree_front_end_{Path(name).stem}_{key}.ok"
     if record.is_file():
         return "recorded", ""

@@ -81,6 +81,16 @@ def load_module(name: str, options: tuple[str, ...] = ()):
     return cupy.RawModule(code=compile_source(name), options=opts, name_expressions=None)
 
 
+def nvrtc_cache_key(source: str, options: tuple[str, ...]) -> str:
+    """What names a compile in the kernel cache folder: the source as compiled (``compile_source``: headers'
+    digest included), the NVRTC options and the NVRTC version."""
+    import hashlib
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    return hashlib.sha256("\0".join((source,) + tuple(options) + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
+
+
 def kernel_cache_dir() -> Path:
     """CuPy's on-disk kernel cache folder (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), where the
     cubins CuPy cannot cache for us and doctor's compile-check records live beside CuPy's own."""
@@ -96,7 +106,6 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
 
     Compiled once per process with NVRTC to a cubin, kept in CuPy's kernel cache folder under a name keyed by
     the source (headers included), the options and the NVRTC version, then loaded with ``cupy.RawModule``."""
-    import hashlib
     import os
     import tempfile
 
@@ -105,7 +114,7 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
 
     opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}", f"--gpu-architecture={arch}") + tuple(options)
     source = compile_source(name)
-    key = hashlib.sha256("\0".join((source,) + opts + (str(nvrtc.getVersion()),)).encode()).hexdigest()[:32]
+    key = nvrtc_cache_key(source, opts)
     cache = kernel_cache_dir()
     path = cache / f"sglang_kdtree_{Path(name).stem}_{arch}_{key}.cubin"
     if not path.is_file():
