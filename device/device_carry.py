@@ -12,7 +12,8 @@ Kimi-shaped W4A16 target, SGLang's Marlin JIT modules prebuilt for sm_90a (``.ji
   are dropped from the wheel's RECORD too. Nothing else in any wheel changes.
 * ``jit/``: the prebuilt JIT modules (seeded by ``prebuild_jit.py --seed``, which checks each against its
   sources and compiles whatever does not match);
-* ``jitcache-server.tar.gz`` and ``tiny_models/`` when they exist and fit.
+* ``jitcache-server.tar.gz`` when it exists and fits; ``tiny_models/`` only with ``--tiny-models`` (the
+  committed ``tests/e2e/tiny_models`` travel with the working tree).
 
     python device/device_carry.py            # then run(..., carry=[".dev-carry"])
 
@@ -54,7 +55,7 @@ def size_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def build(out: Path, wheel_dirs: list[Path], jit: Path, jit_server: Path, tiny: Path, limit: float) -> float:
+def build(out: Path, wheel_dirs: list[Path], jit: Path, jit_server: Path, tiny: Path | None, limit: float) -> float:
     if out.exists():
         shutil.rmtree(out)
     (out / "whl").mkdir(parents=True)
@@ -70,7 +71,7 @@ def build(out: Path, wheel_dirs: list[Path], jit: Path, jit_server: Path, tiny: 
     if jit.is_dir():
         shutil.copytree(jit, out / "jit")
     for extra, name in ((jit_server / "jitcache-server.tar.gz", "jitcache-server.tar.gz"), (tiny, "tiny_models")):
-        if not extra.exists():
+        if extra is None or not extra.exists():
             continue
         extra_mib = size_mib(extra) if extra.is_dir() else extra.stat().st_size / 2**20
         if size_mib(out) + extra_mib > limit:
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--wheels", type=Path, nargs="+", default=[REPO / ".whl", REPO / ".whl-server"])
     p.add_argument("--jit", type=Path, default=REPO / ".jitcache" / "sm90a")
     p.add_argument("--jit-server", type=Path, default=REPO / ".jitcache-server")
-    p.add_argument("--tiny-models", type=Path, default=REPO / ".tiny_models")
+    p.add_argument("--tiny-models", type=Path, default=None,
+                   help="a tiny-model build other than the committed tests/e2e/tiny_models")
     p.add_argument("--limit", type=float, default=62.0, help="MiB (the carry is 64 MiB with the working tree)")
     a = p.parse_args(argv)
     total = build(a.out, a.wheels, a.jit, a.jit_server, a.tiny_models, a.limit)

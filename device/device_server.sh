@@ -18,7 +18,7 @@
 #   compiled, minutes each; repack,kdtree for a seed made by JIT_EXPORT's default), BENCH_VARIANT (bench_server.py --variant, default kimi; kimi-marlin runs every server's MoE through
 #   SGLANG_KDTREE_MOE=marlin), BENCH_ARGS (more bench_server.py options, e.g. "--widths 16,32,48,64"),
 #   DEADLINE (s, default 575: the table prints before it), TESTS (pytest node ids / -k, default the
-#   whole file), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
+#   whole file; none: no tests or probe), PROBE (if set, e.g. "--models llama,dsv3 --modes graph --dtypes float32,bfloat16", runs
 #   tests/e2e/cuda_servers.py's CLI instead of pytest), KIMI=1 (build the Kimi-shaped target into
 #   $KDTREE_KIMI_MODELS, default .kimi_models, seed .jitcache/sm90a if carried, and add the kimi /
 #   kimi-marlin variants; SGLang's Marlin MoE JIT compiles for minutes when not seeded), UNIT=1 (first the GPU
@@ -189,6 +189,8 @@ fi
 [ "$NGPU" -ge 2 ] && [ -z "${ALL_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=0
 if [ -z "$SERVERS_OK" ]; then
   :  # skipped above (steps.txt says why)
+elif [ "${TESTS:-}" = none ]; then
+  :  # TESTS=none: no tests / probe (a bench-only call)
 elif [ -n "${PROBE:-}" ]; then
   # shellcheck disable=SC2086
   step probe "$TEST_CAP" python3 tests/e2e/cuda_servers.py $PROBE --out "$KDTREE_SERVER_LOGS"
