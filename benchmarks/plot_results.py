@@ -3,7 +3,7 @@
     python -m benchmarks.plot_results --bench DIR/bench.json [--kimi kimi_round.json] --out DIR
 
 * ``--bench``: ``bench_server.py``'s ``bench.json`` (``table``: batch -> server kind -> ``{"tok_s_per_request",
-  ...}``) -> ``OUT/server_tok_s.png``: tokens/s per request against batch, one line per kind (plain, DFLASH and
+  ...}``) -> ``OUT/server_tok_s.png``: tokens/s per request and in all against batch, one line per kind (plain, DFLASH and
   every KDTREE kind the run had).
 * ``--kimi``: a ``kimi_round.py --json`` output -> ``OUT/kimi_round.png``: the modelled Kimi K2.6 round against the
   verify width, drawn by ``plot_kimi_round.py``.
@@ -31,9 +31,9 @@ class PlotError(Exception):
     """An input the plots cannot use; the message names the file and what is wrong."""
 
 
-def server_series(bench: dict) -> tuple[list[int], dict[str, list[float | None]]]:
-    """``bench.json`` -> (batches ascending, kind -> tokens/s per request at each batch, None where the kind did
-    not run). PlotError when there is no ``table`` or no row."""
+def server_series(bench: dict, figure: str = "tok_s_per_request") -> tuple[list[int], dict[str, list[float | None]]]:
+    """``bench.json`` -> (batches ascending, kind -> ``figure`` (tokens/s per request, or ``tok_s_total``) at each
+    batch, None where the kind did not run). PlotError when there is no ``table`` or no row."""
     table = bench.get("table") if isinstance(bench, dict) else None
     if not isinstance(table, dict) or not table:
         raise PlotError("no 'table' of batch -> kind -> figures (is it bench_server.py's bench.json?)")
@@ -43,37 +43,49 @@ def server_series(bench: dict) -> tuple[list[int], dict[str, list[float | None]]
         raise PlotError(f"'table' keys must be batch sizes, got {sorted(table)}") from None
     kinds = list(dict.fromkeys(kind for b in table.values() for kind in b))
     try:
-        series = {kind: [table[str(bs)].get(kind, {}).get("tok_s_per_request") for bs in batches] for kind in kinds}
+        series = {kind: [table[str(bs)].get(kind, {}).get(figure) for bs in batches] for kind in kinds}
     except AttributeError:
         raise PlotError("a 'table' row is not kind -> figures (is it bench_server.py's bench.json?)") from None
     return batches, series
 
 
+def kind_label(kind: str, budget) -> str:
+    """A server kind as a reader names it: ``kdtree-15`` is budget 15, ``kdtree-auto`` the automatic width."""
+    if kind == "kdtree":
+        return f"KDTREE budget {budget}" if budget else "KDTREE"
+    rest = kind.removeprefix("kdtree-")
+    if rest.isdigit():
+        return f"KDTREE budget {rest}"
+    if rest.startswith("auto"):
+        return "KDTREE automatic width" + (" (round log on)" if rest.endswith("-log") else "")
+    return f"KDTREE ({kind})"
+
+
 def plot_server(bench: dict, out_png: Path, plt) -> None:
-    """Tokens/s per request against batch, one line per server kind, saved to ``out_png``."""
-    batches, series = server_series(bench)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    trees = 0
-    for kind, values in series.items():
-        pts = [(bs, v) for bs, v in zip(batches, values) if isinstance(v, (int, float))]
-        if not pts:
-            continue
-        if kind in BASELINES:
-            label, color, style = BASELINES[kind]
-        else:
-            label, color, style = ("KDTREE" if kind == "kdtree" else f"KDTREE ({kind})",
-                                   KDTREE_COLORS[trees % len(KDTREE_COLORS)], "o-")
-            trees += 1
-        ax.plot(*zip(*pts), style, color=color, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch (concurrent requests)")
-    ax.set_ylabel("tokens/s per request")
+    """Tokens/s per request and in all against batch, one line per server kind, saved to ``out_png``."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     budget = bench.get("budget")
-    ax.set_title(f"{bench.get('variant', 'server')} target" + (f", KDTREE budget {budget}" if budget else ""),
-                 fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, figure, ylabel in ((axes[0], "tok_s_per_request", "tokens/s per request (median)"),
+                               (axes[1], "tok_s_total", "tokens/s, all requests")):
+        batches, series = server_series(bench, figure)
+        trees = 0
+        for kind, values in series.items():
+            pts = [(bs, v) for bs, v in zip(batches, values) if isinstance(v, (int, float))]
+            if not pts:
+                continue
+            if kind in BASELINES:
+                label, color, style = BASELINES[kind]
+            else:
+                label, color, style = kind_label(kind, budget), KDTREE_COLORS[trees % len(KDTREE_COLORS)], "o-"
+                trees += 1
+            ax.plot(*zip(*pts), style, color=color, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch (concurrent requests)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{bench.get('variant', 'server')} target, CUDA graphs on", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
