@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import statistics
@@ -86,30 +87,48 @@ def waves(names: list[str], at_once: int) -> list[list[str]]:
 # ---- servers --------------------------------------------------------------------------------------------------
 
 
-def _e2e_modules():
-    if str(E2E) not in sys.path:
-        sys.path.insert(0, str(E2E))
-    import conftest
-    import cuda_servers
+def cpu_harness():
+    """``tests/e2e/conftest.py`` under its own module name: inside a pytest session the name ``conftest`` may be
+    ``tests/conftest.py``'s."""
+    name = "kdtree_e2e_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, E2E / "conftest.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
-    return conftest, cuda_servers
+
+def cuda_harness():
+    """``benchmarks/bench_server.py`` (its flags per server kind) and the ``cuda_servers`` module it uses."""
+    from benchmarks import bench_server
+
+    return bench_server, bench_server.cuda_servers
 
 
-def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str):
-    """One server of ``kind``, started (not yet ready); KDTREE kinds write ``logs/rounds-KIND.jsonl``."""
-    conftest, cuda_servers = _e2e_modules()
+def kv_tokens(concurrency: int, prompt_len: int, new_tokens: int, max_budget: int) -> int:
+    """KV slots for ``concurrency`` requests at their longest, each with a verify tree of the largest width and a
+    draft block beside it: the harnesses' ``--max-total-tokens`` (32,768 on CUDA) is too small for 48 requests
+    of 512 tokens with a 256-row tree, and a full pool would retract requests in the middle of the measurement."""
+    return concurrency * (prompt_len + new_tokens + max_budget + 1 + 32)
+
+
+def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str, kv: int = 0):
+    """One server of ``kind``, started (not yet ready), with at least ``kv`` KV slots; KDTREE kinds write
+    ``logs/rounds-KIND.jsonl``."""
     env = {}
     round_log = logs / f"rounds-{kind}.jsonl"
     if kind.startswith("kdtree"):
         round_log.unlink(missing_ok=True)
         env["KDTREE_ROUND_LOG"] = str(round_log)
     if device == "cuda":
-        from benchmarks import bench_server
-
+        bench_server, cuda_servers = cuda_harness()
         variant = cuda_servers.Variant("pair", pair / "target", pair / "drafter", dtype)
         args = bench_server._args_for(kind, variant, cuda_servers.free_port(), budget_of(kind) or 0)
+        _raise_kv(args, kv)
         server = cuda_servers.CudaServer(kind, args, logs / f"{kind}.log", env)
     else:
+        conftest = cpu_harness()
         args = conftest.base_server_args(pair / "target", conftest.free_port())
         args[args.index("--dtype") + 1] = dtype
         if kind == "dflash":
@@ -117,17 +136,22 @@ def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str):
         elif kind.startswith("kdtree"):
             args += ["--speculative-algorithm", "kdtree", "--speculative-draft-model-path", str(pair / "drafter"),
                      "--speculative-num-draft-tokens", str(budget_of(kind) + 1)]
+        _raise_kv(args, kv)
         server = conftest.Server(args, logs / f"{kind}.log", env)
         server.args = args
     server.round_log = round_log if kind.startswith("kdtree") else None
     return server
 
 
+def _raise_kv(args: list, kv: int) -> None:
+    i = args.index("--max-total-tokens") + 1
+    args[i] = str(max(int(args[i]), kv))
+
+
 def wait_ready(servers: dict, device: str, timeout: float) -> dict[str, str]:
     """``{kind: error}`` for the servers that did not become healthy within ``timeout`` (those are stopped)."""
-    conftest, cuda_servers = _e2e_modules()
     if device == "cuda":
-        return cuda_servers.wait_all(servers, timeout)
+        return cuda_harness()[1].wait_all(servers, timeout)
     failed = {}
     for kind, server in servers.items():
         try:
@@ -317,9 +341,11 @@ def run(args) -> dict:
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     names = kinds(args.budgets) if not args.kinds else args.kinds
+    kv = kv_tokens(args.concurrency, max(len(p["input_ids"]) for p in prompts), args.new_tokens,
+                   max([budget_of(k) or 0 for k in names] + [16]))
     servers, outputs = {}, {}
     for wave in waves(names, args.at_once or len(names)):
-        running = {k: start_server(k, args.pair, logs, args.device, args.dtype) for k in wave}
+        running = {k: start_server(k, args.pair, logs, args.device, args.dtype, kv) for k in wave}
         try:
             failed = wait_ready(running, args.device, min(args.startup_timeout, max(left(), 1.0)))
             for kind, server in running.items():
