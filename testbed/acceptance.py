@@ -43,6 +43,7 @@ import gzip
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,8 @@ E2E = REPO / "tests" / "e2e"
 DEFAULT_BUDGETS = (15, 31, 63, 127, 255)
 #: SGLang's warning when a DFLASH server serves T > 0 with greedy verification instead (dflash_worker_v2.py)
 DFLASH_GREEDY_FALLBACK = "DFLASH non-greedy verification is unavailable"
+#: the servers started and not yet stopped (``_stop_on_sigterm``)
+LIVE: list = []
 #: a speculative server's greedy mismatches against plain listed in the report (the count covers all)
 LISTED_MISMATCHES = 10
 
@@ -264,10 +267,10 @@ def curves(servers: dict, temperature: float) -> tuple[dict, float | None]:
     curve = {}
     for kind, s in servers.items():
         phase = s.get("phases", {}).get(key)
-        if budget_of(kind) is not None and phase and phase["tau"] is not None:
+        if budget_of(kind) is not None and phase and phase.get("tau") is not None:
             curve[str(budget_of(kind))] = phase["tau"]
     phase = servers.get("dflash", {}).get("phases", {}).get(key)
-    dflash = phase["tau"] if phase and phase.get("sampling_preserved", True) else None
+    dflash = phase.get("tau") if phase and phase.get("sampling_preserved", True) else None
     return dict(sorted(curve.items(), key=lambda kv: int(kv[0]))), dflash
 
 
@@ -302,6 +305,9 @@ def format_table(rep: dict) -> str:
             rows.append(f"| {kind} | | not served: {s['error'].splitlines()[-1][:100]} | | | | | | |")
             continue
         for key, p in s.get("phases", {}).items():
+            if "skipped" in p:
+                rows.append(f"| {kind} | {key} | skipped: {p['skipped']} | | | | | | |")
+                continue
             rl = p.get("rounds") or {}
             ident = rep["identity"].get(kind) if key == "0" else None
             mis = f"{ident['mismatches']}/{ident['prompts']}" if ident else ""
@@ -345,8 +351,11 @@ def run(args) -> dict:
                    max([budget_of(k) or 0 for k in names] + [16]))
     servers, outputs = {}, {}
     for wave in waves(names, args.at_once or len(names)):
-        running = {k: start_server(k, args.pair, logs, args.device, args.dtype, kv) for k in wave}
+        running = {}
         try:
+            for k in wave:
+                running[k] = start_server(k, args.pair, logs, args.device, args.dtype, kv)
+                LIVE.append(running[k])
             failed = wait_ready(running, args.device, min(args.startup_timeout, max(left(), 1.0)))
             for kind, server in running.items():
                 servers[kind] = {"args": [str(a) for a in server.args], "error": failed.get(kind), "phases": {}}
@@ -375,6 +384,7 @@ def run(args) -> dict:
         finally:
             for server in running.values():
                 server.stop()
+                LIVE.remove(server)
     settings = {"device": args.device, "dtype": args.dtype, "prompts": len(prompts), "new_tokens": args.new_tokens,
                 "budgets": list(args.budgets), "temperatures": list(args.temperatures), "kinds": names,
                 "at_once": args.at_once, "concurrency": args.concurrency, "cuda_graph": args.device == "cuda",
@@ -420,12 +430,22 @@ def parse_args(argv=None):
     return args
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    """The servers run in their own process sessions: a timeout's SIGTERM must stop them, not orphan them."""
+    for server in list(LIVE):
+        server.stop(timeout=10)
+    os._exit(128 + signum)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     rep = run(args)
     print(format_table(rep))
     curve = ", ".join(f"{b}: {t:.3f}" for b, t in rep["curve"].items())
     print(f"greedy tau by budget: {curve or 'none'}; DFLASH {rep.get('dflash', 'not measured')}")
+    print("greedy output vs plain, prompts differing: " + ", ".join(
+        f"{k} {v['mismatches']}/{v['prompts']}" for k, v in rep["identity"].items()))
     print(f"wrote {args.out / 'acceptance.json'}")
     return 0 if all(not s.get("error") or k == "dflash" and args.device == "cpu"
                     for k, s in rep["servers"].items()) else 1

@@ -138,7 +138,8 @@ def _servers(dflash_t1_preserved=False):
             "dflash": {"phases": {"0": phase(5.1), "1": phase(4.9, sampling_preserved=dflash_t1_preserved)}},
             "kdtree-63": {"phases": {"0": phase(6.2, rounds), "1": phase(5.0, rounds)}},
             "kdtree-15": {"phases": {"0": phase(5.6, rounds), "1": phase(4.4, rounds)}},
-            "kdtree-255": {"error": "boom", "phases": {}}}
+            "kdtree-255": {"error": "boom", "phases": {}},
+            "kdtree-127": {"phases": {"0": {"skipped": "deadline"}, "1": {"skipped": "deadline"}}}}
 
 
 def _report(tmp_path=None, **kw):
@@ -156,7 +157,8 @@ def _report(tmp_path=None, **kw):
 
 def test_report_curves_and_identity():
     rep = _report()
-    assert rep["curve"] == {"15": 5.6, "63": 6.2} and rep["dflash"] == 5.1  # budget order, the failed 255 absent
+    # budget order; the failed 255 and the skipped 127 absent
+    assert rep["curve"] == {"15": 5.6, "63": 6.2} and rep["dflash"] == 5.1
     assert rep["curve_t1"] == {"15": 4.4, "63": 5.0} and "dflash_t1" not in rep  # greedy-verify fallback: no figure
     assert rep["identity"]["kdtree-63"]["mismatches"] == 1 and rep["identity"]["dflash"]["mismatches"] == 0
     assert rep["identity"]["plain_vs_build"] == {"prompts": 2, "mismatches": 1, "listed": [{"prompt": 1, "index": 2}]}
@@ -166,6 +168,7 @@ def test_report_curves_and_identity():
     assert "| kdtree-255 | | not served: boom |" in table
     assert "| kdtree-63 | 0 | 6.200 | 6.200 | 6.000 | 6.500 | 6.000 | 0.100 | 1/2 |" in table
     assert "| dflash | 1 | 4.900 (greedy-verify fallback) |" in table
+    assert "| kdtree-127 | 0 | skipped: deadline |" in table
 
 
 def test_kimi_round_reads_the_measured_curve(tmp_path):
