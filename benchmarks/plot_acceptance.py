@@ -8,7 +8,7 @@
 * ``OUT_DIR/acceptance_calibration.png``: the drafter's calibration from the KDTREE round logs: per tree cut
   (one point per budget and temperature), its predicted accept length against the realised one, the diagonal
   being a calibrated drafter; and per depth, its probability of reaching the depth against the share of
-  request-rounds that did, one line per budget (greedy).
+  request-rounds that did, one line per budget, one panel per temperature.
 
 Every figure carries the run's command and commit. Needs matplotlib (exit 2 and a message without it, as
 ``plot_kimi_round.py``); a file that is not an acceptance report exits 2 too.
@@ -65,8 +65,8 @@ def tau_series(rep: dict) -> list[dict]:
 
 
 def calibration_series(rep: dict) -> dict:
-    """``cuts``: per temperature, ``(budget, predicted, realised)`` per KDTREE server whose round log has both;
-    ``depth``: greedy only, ``{budget: (predicted, realised)}`` per-depth reach lists."""
+    """Per temperature: ``cuts``, ``(budget, predicted, realised)`` per KDTREE server whose round log has both;
+    ``depth``, ``{budget: (predicted, realised)}`` per-depth reach lists."""
     cuts, depth = {}, {}
     for t in rep["settings"]["temperatures"]:
         key = f"{t:g}"
@@ -74,8 +74,8 @@ def calibration_series(rep: dict) -> dict:
             rounds = (s.get("phases", {}).get(key) or {}).get("rounds") or {}
             if rounds.get("predicted_raw") is not None and rounds.get("realised") is not None:
                 cuts.setdefault(t, []).append((b, rounds["predicted_raw"], rounds["realised"]))
-            if t == 0 and rounds.get("depth"):
-                depth[b] = (rounds["depth"]["predicted"], rounds["depth"]["realised"])
+            if rounds.get("depth"):
+                depth.setdefault(t, {})[b] = (rounds["depth"]["predicted"], rounds["depth"]["realised"])
     return {"cuts": cuts, "depth": depth}
 
 
@@ -111,7 +111,9 @@ def plot_tau(rep: dict, series: list[dict], out_png: Path, plt) -> None:
 
 
 def plot_calibration(rep: dict, cal: dict, out_png: Path, plt) -> None:
-    fig, (cut_ax, depth_ax) = plt.subplots(1, 2, figsize=(10, 4.2))
+    temps = list(cal["depth"]) or [0.0]
+    fig, axes = plt.subplots(1, 1 + len(temps), figsize=(5 * (1 + len(temps)), 4.2), squeeze=False)
+    cut_ax = axes[0][0]
     top = 1.0
     for (t, pts), color in zip(cal["cuts"].items(), COLORS):
         cut_ax.plot([p for _, p, _ in pts], [r for _, _, r in pts], "o-", color=color,
@@ -126,16 +128,19 @@ def plot_calibration(rep: dict, cal: dict, out_png: Path, plt) -> None:
     cut_ax.legend(fontsize=7)
     cut_ax.grid(alpha=0.3)
     cmap = plt.get_cmap("viridis")
-    for i, (b, (pred, real)) in enumerate(sorted(cal["depth"].items())):
-        color = cmap(i / max(len(cal["depth"]) - 1, 1))
-        depths = range(1, len(pred) + 1)
-        depth_ax.plot(depths, real, "o-", color=color, markersize=3, label=f"budget {b}: realised")
-        depth_ax.plot(depths, pred, "x--", color=color, markersize=4, label=f"budget {b}: drafter")
-    depth_ax.set_xlabel("draft depth d")
-    depth_ax.set_ylabel("P(accept reaches depth d)")
-    depth_ax.set_title("per depth, greedy (o solid: realised, x dashed: drafter)", fontsize=9)
-    depth_ax.legend(fontsize=6, ncol=2)
-    depth_ax.grid(alpha=0.3)
+    for t, depth_ax in zip(temps, axes[0][1:]):
+        by_budget = sorted(cal["depth"].get(t, {}).items())
+        for i, (b, (pred, real)) in enumerate(by_budget):
+            color = cmap(i / max(len(by_budget) - 1, 1))
+            depths = range(1, len(pred) + 1)
+            depth_ax.plot(depths, real, "o-", color=color, markersize=3, label=f"budget {b}: realised")
+            depth_ax.plot(depths, pred, "x--", color=color, markersize=4, label=f"budget {b}: drafter")
+        depth_ax.set_xlabel("draft depth d")
+        depth_ax.set_ylabel("P(accept reaches depth d)")
+        depth_ax.set_title(f"per depth, {'greedy' if t == 0 else f'T = {t:g}'} (o solid: realised, x dashed: "
+                           "drafter)", fontsize=9)
+        depth_ax.legend(fontsize=6, ncol=2)
+        depth_ax.grid(alpha=0.3)
     fig.suptitle("testbed pair: the drafter's predicted vs realised acceptance")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     _stamp(fig, rep)

@@ -191,7 +191,7 @@ def test_plot_series():
     assert series[0]["dflash_note"] is None and "greedy verification" in series[1]["dflash_note"]
     cal = pa.calibration_series(_report())
     assert cal["cuts"] == {0.0: [(15, 6.5, 6.0), (63, 6.5, 6.0)], 1.0: [(15, 6.5, 6.0), (63, 6.5, 6.0)]}
-    assert cal["depth"] == {15: ([0.9, 0.7], [0.8, 0.6]), 63: ([0.9, 0.7], [0.8, 0.6])}
+    assert cal["depth"][0.0] == cal["depth"][1.0] == {15: ([0.9, 0.7], [0.8, 0.6]), 63: ([0.9, 0.7], [0.8, 0.6])}
     with pytest.raises(pa.PlotError, match="no 'servers'"):
         pa.tau_series({"rows": []})
 
