@@ -33,7 +33,7 @@ through the end-of-file token), ``--at-once`` servers at a time, requests concur
 * a DFLASH phase at T > 0 is marked ``sampling_preserved: false`` when its log says SGLang fell back to greedy
   verification (no ``tree_speculative_sampling_target_only``: the CUDA stand-in lacks FlashInfer).
 
-``OUT/outputs.json.gz`` keeps every request's output ids; ``OUT/logs`` the server logs and round logs.
+``OUT/outputs.json.gz`` keeps every request's output ids and metrics; ``OUT/logs`` the server and round logs.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def pair_metadata(pair: Path) -> dict:
 
 
 def run(args) -> dict:
-    started = time.time()
+    started, commit = time.time(), _commit()
     deadline = started + args.deadline if args.deadline else None
     left = lambda: float("inf") if deadline is None else deadline - time.time()  # noqa: E731
     prompts = load_prompts(args.pair, args.prompts)
@@ -388,11 +388,11 @@ def run(args) -> dict:
     settings = {"device": args.device, "dtype": args.dtype, "prompts": len(prompts), "new_tokens": args.new_tokens,
                 "budgets": list(args.budgets), "temperatures": list(args.temperatures), "kinds": names,
                 "at_once": args.at_once, "concurrency": args.concurrency, "cuda_graph": args.device == "cuda",
-                "command": " ".join(["python -m testbed.acceptance", *sys.argv[1:]]), "commit": _commit(),
+                "command": " ".join(["python -m testbed.acceptance", *sys.argv[1:]]), "commit": commit,
                 "seconds": round(time.time() - started, 1)}
     rep = report(settings, pair_metadata(args.pair), servers, outputs, [p.get("target_greedy_ids") for p in prompts])
     with gzip.open(args.out / "outputs.json.gz", "wt") as f:
-        json.dump({f"{k}@T={t}": [r["output_ids"] for r in v] for (k, t), v in outputs.items()}, f)
+        json.dump({f"{k}@T={t}": v for (k, t), v in outputs.items()}, f)
     (args.out / "acceptance.json").write_text(json.dumps(rep, indent=1) + "\n")
     return rep
 
