@@ -1,5 +1,5 @@
 """The testbed pair's acceptance on real SGLang servers: plain, DFLASH and KDTREE at pinned budgets, greedy and at
-T = 1, on the pair's held-out prompts (issue 41).
+T = 1, on the pair's held-out prompts.
 
     python -m testbed.acceptance --pair DIR --out DIR [--device cuda|cpu] [--prompts N] [--new-tokens M]
         [--budgets 15 31 63 127 255] [--temperatures 0 1] [--dtype float32] [--at-once K] [--deadline S]
