@@ -21,7 +21,8 @@ extrapolated with the end segments' slopes (never below 1). Default curve: the D
 default 64) equals the paper's mean 7.51 (``PAPER_ACCEPT_KDTREE``: its MoE target, mean over 10 datasets, each at its
 best budget, so at 64 an optimistic figure). Not Kimi K2.6's numbers: pass a measured curve instead with
 ``--tau-curve 16=8.6 32=9.3 ...`` or ``--tau-curve-json FILE`` (``{"budgets": [...], "tau": [...]}`` or
-``{"curve": {"15": 6.1, ...}}``, optionally ``"dflash": TAU``).
+``{"curve": {"15": 6.1, ...}}``, optionally ``"dflash": TAU``; ``python -m testbed.acceptance`` writes its served
+greedy curve and DFLASH's tau so, in its ``acceptance.json``).
 
 KDTREE-auto: the tree is built at the largest budget (its bookkeeping is that budget's) and verified at the width w
 maximising tau(w - 1) / round(w) among the fixed rows' widths, by ``sglang_kdtree.widths.best_width``, the server's
@@ -292,7 +293,7 @@ def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentPa
                             "--tau-anchor-budget)")
     curve.add_argument("--tau-curve-json", default=None, metavar="FILE",
                        help='the curve from a file: {"budgets": [...], "tau": [...]} or {"curve": {"15": 6.1, ...}}, '
-                            'optionally with "dflash": TAU')
+                            'optionally with "dflash": TAU; testbed.acceptance\'s acceptance.json is one (greedy)')
     curve.add_argument("--accept-kdtree", type=float, default=None, metavar="TAU",
                        help="one KDTREE tau at every budget (a constant curve)")
     p.add_argument("--tau-anchor-budget", type=int, default=DEFAULT_ANCHOR_BUDGET,

@@ -99,6 +99,23 @@ def _sibling_accepts(acc, verify) -> tuple[list, list]:
     return lens, siblings
 
 
+def _depth_reach(trees) -> list | None:
+    """Summed over the batch, per draft depth d = 1, 2, ... up to the deepest verified node: the drafter's own
+    probability that the walk reaches depth d, the sum of ``exp(path score)`` over the tree's depth-d nodes (their
+    paths are disjoint events). Beside ``accept_lens`` it is the drafter's calibration per depth, which the verify
+    width choice leans on; None where the trees carry no scores."""
+    if trees.scores is None:
+        return None
+    node = torch.arange(trees.scores.shape[1], device=trees.scores.device)
+    live = (node[None, :] >= 1) & (node[None, :] <= trees.num_nodes[:, None])  # padding rows hold garbage
+    zero = torch.zeros((), dtype=torch.float64, device=trees.scores.device)
+    rows_cpu = torch.stack([torch.where(live, trees.scores.exp(), zero),
+                            torch.where(live, trees.depths.to(torch.float64), zero)]).to("cpu")
+    reach_cpu, depths_cpu = rows_cpu[0].flatten(), rows_cpu[1].flatten().long()
+    by_depth_cpu = torch.zeros(int(depths_cpu.max()) + 1, dtype=torch.float64).index_add_(0, depths_cpu, reach_cpu)
+    return [round(x, 5) for x in by_depth_cpu[1:].tolist()]
+
+
 def write_round_record(path: str, backend, device, acc, verify, trees, marks: RoundMarks, graph: bool,
                        width: dict | None = None, tiers: dict | None = None) -> None:
     """Append this round's record to ``path`` (one JSON line):
@@ -109,6 +126,8 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
       ``tiers``: per verify width, the target verify forwards run and how many replayed a CUDA graph
       (``verify_tiers.VerifyTiers.stats``);
 
+    * ``depth_reach``: per draft depth, the drafter's probability of reaching it, summed over the batch
+      (``_depth_reach``);
     * ``accept_lens``, ``num_nodes``; ``sibling_accepts[b]`` counts accepted nodes that are not their
       parent's first child (rank > 0 at their depth): acceptance a chain drafter (DFLASH) could not have;
     * ``backend`` (``gpu`` / ``reference``) and ``graph`` (the target verify replayed a CUDA graph);
@@ -126,7 +145,7 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
     lens, siblings = _sibling_accepts(acc, verify)
     record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
               "backend": backend.name, "graph": bool(graph), "ms": marks.split(), "steps": marks.detail(),
-              "width": width or {}, "tiers": tiers or {}}
+              "width": width or {}, "tiers": tiers or {}, "depth_reach": _depth_reach(trees)}
     if backend.name == "gpu":
         from sglang_kdtree.gpu import mla_attention
 

@@ -57,6 +57,8 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     ("round_log.py", "_sibling_accepts", ".tolist()"): (2, "diagnostics only (KDTREE_ROUND_LOG)"),
     ("round_log.py", "write_round_record", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
     ("round_log.py", "write_round_record", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round_log.py", "_depth_reach", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round_log.py", "_depth_reach", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
     ("round_log.py", "dump_verify", ".cpu()"): (5, "diagnostics only (KDTREE_DUMP_VERIFY, first rounds)"),
     ("gpu/mla_attention.py", "launch_counts", ".item()"): (1, "diagnostics only (the round log's kernel counts)"),
     ("patches/mla_tree_verify.py", "check_stats", ".tolist()"): (1, "diagnostics only (SGLANG_KDTREE_MLA=check)"),

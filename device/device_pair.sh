@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# On the H200 in one call: the testbed pair (testbed/README.md) on real CUDA SGLang servers with CUDA graphs on,
+# through python -m testbed.acceptance: plain, DFLASH and KDTREE at pinned budgets 15/31/63/127/255, every held-out
+# prompt greedy and at T = 1. $OUT gets acceptance.json (tau per server, KDTREE's greedy identity with plain, the
+# drafter's calibration per cut and per depth), outputs.json.gz, logs.tar.gz (install, server and round logs),
+# steps.txt and commit.txt; a short table prints last. Plot it here with
+# `python -m benchmarks.plot_acceptance acceptance.json DIR`.
+#
+# The call, from the repo root, with the pair in .pair (built by testbed.build_pair; ~22 MiB) and SGLang's slimmed
+# wheels in .dev-carry/whl (python device/device_carry.py; ~34 MiB), about 60 MiB with the tree:
+#   run(command="bash device/device_pair.sh", carry=[".dev-carry/whl", ".pair"], timeout_s=600, kind="nvidia-h200")
+# Without .dev-carry/whl it installs .whl and .whl-server (57.5 MiB: no room for the pair beside them).
+# Knobs: PAIR (default .pair), DEADLINE (s, default 480: the table prints before it), PROMPTS (default all 256),
+#   NEW_TOKENS (default 448: the prompt's 64 plus 448 is the length the drafter was trained on), BUDGETS (default
+#   "15 31 63 127 255"), TEMPERATURES (default "0 1"), DTYPE (default float32: greedy identity then tests the round,
+#   not bf16 near-ties), ACC_ARGS (more testbed.acceptance options).
+set -uo pipefail
+START=$(date +%s)
+DEADLINE=${DEADLINE:-480}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOGS=/tmp/device_pair_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT (8 files come back)
+: > "$OUT/steps.txt"
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $LOGS/NAME.log
+step() {
+  local name=$1 cap=$2; shift 2
+  local budget; budget=$(left); [ "$cap" -gt "$budget" ] && cap=$budget
+  [ "$cap" -le 0 ] && { echo "$name SKIPPED (no time left)" >> "$OUT/steps.txt"; return 124; }
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$cap" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
+  return $rc
+}
+
+PAIR=${PAIR:-.pair}
+if [ -d .dev-carry/whl ]; then WHEELS=(.dev-carry/whl/*.whl); else WHEELS=(.whl/*.whl .whl-server/*.whl); fi
+step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# SGLang finds the plugin only through an installed package's entry point (PYTHONPATH alone is not enough)
+step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
+PLUGIN_CHECK="
+from importlib.metadata import entry_points
+assert any(e.name == 'kdtree' for e in entry_points(group='sglang.srt.plugins')), 'kdtree entry point not visible'"
+if ! step plugin 30 python3 -c "$PLUGIN_CHECK"; then
+  step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
+  step plugin_regular 30 python3 -c "$PLUGIN_CHECK"
+fi
+export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
+mkdir -p "$SGLANG_JIT_CACHE_DIR"
+[ -f .dev-carry/jitcache-server.tar.gz ] && tar -xzf .dev-carry/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
+bash device/commit_stamp.sh > "$OUT/commit.txt"
+export COMMIT=${COMMIT:-$(head -c 300 "$OUT/commit.txt")}
+if [ ! -f "$PAIR/heldout_prompts.jsonl" ]; then
+  echo "no pair in $PAIR (carry it: run(..., carry=[\".dev-carry/whl\", \".pair\"]))" | tee -a "$OUT/steps.txt"
+else
+  # ~30 s kept for the table and the tarball; phases not begun 60 s before that are skipped and reported
+  CAP=$(( $(left) - 30 )); STARTUP=$(( CAP > 150 ? CAP - 90 : 60 ))
+  # shellcheck disable=SC2086
+  step acceptance "$CAP" python3 -m testbed.acceptance --pair "$PAIR" --out "$LOGS/acceptance" --device cuda \
+    --dtype "${DTYPE:-float32}" --new-tokens "${NEW_TOKENS:-448}" --budgets ${BUDGETS:-15 31 63 127 255} \
+    --temperatures ${TEMPERATURES:-0 1} --deadline $(( CAP - 60 )) --startup-timeout "$STARTUP" \
+    ${PROMPTS:+--prompts $PROMPTS} ${ACC_ARGS:-}
+fi
+cp "$LOGS/acceptance/acceptance.json" "$LOGS/acceptance/outputs.json.gz" "$OUT/" 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" --exclude=outputs.json.gz . 2>/dev/null
+
+echo "== steps"; cat "$OUT/steps.txt"
+echo "== commit"; cat "$OUT/commit.txt"
+for f in "$LOGS"/acceptance/logs/*.log; do
+  [ -f "$f" ] || continue
+  # the first error line of each server that logged one
+  e=$(grep -m1 -E "Error|error:|Traceback" "$f" | cut -c1-160)
+  [ -n "$e" ] && echo "$(basename "$f"): $e"
+done
+[ -f "$LOGS/acceptance.log" ] && { echo "== acceptance"; grep -vE "^\s*$" "$LOGS/acceptance.log" | tail -24; }
+true
