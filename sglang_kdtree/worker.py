@@ -24,7 +24,8 @@ decode round (``KDTreeWorker._tree_round``, one method per step):
    into the draft KV at those positions.
 8. **Result**: ``GenerationBatchResult`` with the V2 fields: ``next_token_ids`` of stride ``B + 1`` (whatever the
    round's width) whose first ``tau`` entries are the committed tokens, ``accept_lens = tau`` (bonus included),
-   ``new_seq_lens = P + tau``; the width choice's statistics of the round, read with the round's error flags.
+   ``new_seq_lens = P + tau``; the round's per-request fault words and width-choice statistics, copied to the
+   host without waiting (read once SGLang has the round's results).
 
 Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_kdtree.pipeline.select_backend``
 (reference on CPU, GPU kernels on CUDA); both follow ``sglang_kdtree.contract``. The round geometry (budget,
@@ -32,14 +33,15 @@ block, vocabulary) is ``self.geometry``, published for the patches with ``state.
 
 Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
 ``--disable-overlap-schedule`` is refused at startup). The round's host lengths are SGLang's own
-(``verify_input.host_prefix_lens``), but it still reads its fault flags on the host at its end
-(``round_faults.end_faulty_requests``) and times the width choice on the host clock, so it cannot run ahead of
-the scheduler; ``tests/test_host_syncs.py`` lists every host sync left on the round's path.
+(``verify_input.host_prefix_lens``) and its fault words are read where SGLang reads its results, but the width
+choice still times rounds on the host clock, which on CUDA needs the device done; ``tests/test_host_syncs.py``
+lists every host sync left on the round's path.
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
-requests they hit (``end_faulty_requests``); an allocation failure (``torch.OutOfMemoryError`` /
-``MemoryError``) anywhere in the round is retried once after the plugin's round caches are released, and a
-second failure ends every request of that batch (``contained_round``).
+requests they hit; the flags become per-request fault words on the device (``device_fault_words``), read on the
+host where SGLang reads the round's results (``on_verify_complete_cpu``, ``DeferredFaults``). An allocation failure
+(``torch.OutOfMemoryError`` / ``MemoryError``) anywhere in the round is retried once after the plugin's round
+caches are released, and a second failure ends every request of that batch (``contained_round``).
 
 Sampling at T > 0: temperature, top-k, top-p and min-p as SGLang's sampler applies them (penalties are
 refused at admission, ``sglang_kdtree/patches/request_validation.py``), with a per-request seed from ``sampling_seed``
@@ -160,6 +162,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
         self._test_faults_path = os.environ.get(round_faults.TEST_FAULTS_ENV) or None
+        self.deferred_faults = round_faults.DeferredFaults()  # read in on_verify_complete_cpu
         self._check_host_lens = os.environ.get(CHECK_HOST_LENS_ENV) == "1"
         self._dumped = 0
         # the GPU round's bookkeeping (tree step; greedy accept + commit) replays CUDA graphs
@@ -213,6 +216,13 @@ class KDTreeWorker(DFlashWorkerV2):
         if batch.has_grammar:  # refused at admission and startup; if one gets here, end its batch, not the server
             return round_faults.ended_grammar_batch(self, batch, on_publish)
         return round_faults.contained_round(self, batch, on_publish)
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
+        """SGLang's call once per decode result, in launch order, once the result is on the host (both scheduler
+        modes): the round's fault words have landed too, and its faulty requests end before its tokens are
+        appended (``round_faults.DeferredFaults``)."""
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        self.deferred_faults.land(batch_size)
 
     # ------------------------------------------------------------------------------------------------
     # the decode round
@@ -416,13 +426,14 @@ class KDTreeWorker(DFlashWorkerV2):
             round_logprobs(rnd.batch, logits_output, logits, acc.accepted[:, :cols], acc.committed[:, :cols])
         rnd.marks.mark("accept_commit")
         self.chooser.record(rnd.width, rnd.bs, rnd.prefix_sum, rnd.started, step.expected, acc.accepted)
-        round_faults.end_faulty_requests(self.backend, rnd.batch, acc, commit, step.draft_logits)
-        self.chooser.settle()  # after the host read above: this round's statistics have landed
+        fault_words = round_faults.device_fault_words(self.backend, acc, commit, step.draft_logits)
+        self.chooser.settle()
         if self._round_log is not None:
             round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,
                                          rnd.marks, target_out.can_run_cuda_graph, width=self.chooser.last,
                                          tiers=self.verify_tiers.stats())
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
+        self.deferred_faults.push(rnd.batch.reqs, fault_words)  # last: a retried round must not push twice
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=out_tokens.reshape(-1),
