@@ -33,9 +33,9 @@ block, vocabulary) is ``self.geometry``, published for the patches with ``state.
 
 Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
 ``--disable-overlap-schedule`` is refused at startup). The round's host lengths are SGLang's own
-(``verify_input.host_prefix_lens``) and its fault words are read where SGLang reads its results, but the width
-choice still times rounds on the host clock, which on CUDA needs the device done; ``tests/test_host_syncs.py``
-lists every host sync left on the round's path.
+(``verify_input.host_prefix_lens``), its fault words are read where SGLang reads its results and the width
+choice times it with device events, settled before the next choice (``width_choice``): no host sync is left on
+the round's path (``tests/test_host_syncs.py`` lists every one elsewhere).
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
 requests they hit; the flags become per-request fault words on the device (``device_fault_words``), read on the
@@ -55,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -115,7 +114,7 @@ class _Round:
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
     shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
-    started: float  # host clock at the round's start (the width choice's round time)
+    started: object  # the width choice's start mark (WidthChooser.start; None: the round is not timed)
 
     @property
     def width(self) -> int:
@@ -252,10 +251,11 @@ class KDTreeWorker(DFlashWorkerV2):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
-        started = time.perf_counter()
         prefix_lens = batch.seq_lens.to(torch.int64)
         prefix_cpu, prefix_sum = host_prefix_lens(batch, check=self._check_host_lens)
+        self.chooser.settle()  # the earlier rounds whose statistics have landed; nothing waits for the others
         shape = self.geometry.shape(self.chooser.choose(len(prefix_cpu), prefix_sum))
+        started = self.chooser.start()
         rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
                      RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
                      faults=None, shape=shape, started=started)
@@ -427,8 +427,8 @@ class KDTreeWorker(DFlashWorkerV2):
         rnd.marks.mark("accept_commit")
         self.chooser.record(rnd.width, rnd.bs, rnd.prefix_sum, rnd.started, step.expected, acc.accepted)
         fault_words = round_faults.device_fault_words(self.backend, acc, commit, step.draft_logits)
-        self.chooser.settle()
         if self._round_log is not None:
+            self.chooser.settle(wait=True)  # the record names this round's width: diagnostics may wait
             round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,
                                          rnd.marks, target_out.can_run_cuda_graph, width=self.chooser.last,
                                          tiers=self.verify_tiers.stats())
