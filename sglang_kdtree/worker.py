@@ -31,11 +31,12 @@ Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_k
 (reference on CPU, GPU kernels on CUDA); both follow ``sglang_kdtree.contract``. The round geometry (budget,
 block, vocabulary) is ``self.geometry``, published for the patches with ``state.publish``.
 
-Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
-``--disable-overlap-schedule`` is refused at startup). The round's host lengths are SGLang's own
-(``verify_input.host_prefix_lens``), its fault words are read where SGLang reads its results and the width
-choice times it with device events, settled before the next choice (``width_choice``): no host sync is left on
-the round's path (``tests/test_host_syncs.py`` lists every one elsewhere).
+Overlap scheduling (``spec.SUPPORTS_OVERLAP``; on unless ``--disable-overlap-schedule``): SGLang issues round k+1
+while round k runs, so the round never waits for the device. Its host lengths are SGLang's own
+(``verify_input.host_prefix_lens``), ``on_publish(new_seq_lens)`` hands the next round its lengths as soon as the
+accept is issued, its fault words are read where SGLang reads its results (``on_verify_complete_cpu``) and the
+width choice times it with device events, settled before the next choice (``width_choice``); no host sync is
+left on the round's path (``tests/test_host_syncs.py`` lists every one elsewhere, each with its reason).
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
 requests they hit; the flags become per-request fault words on the device (``device_fault_words``), read on the
@@ -56,7 +57,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,6 +116,9 @@ class _Round:
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
     shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
     started: object  # the width choice's start mark (WidthChooser.start; None: the round is not timed)
+    # the round's forward batches: under overlap SGLang keeps them alive for two more iterations, as EAGLE's
+    # verify batch, so nothing they hold is freed while the device may still read it
+    keep_alive: list = field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -306,6 +310,7 @@ class KDTreeWorker(DFlashWorkerV2):
             global_num_token_non_padded_cpu=bs * block, can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
         )
         plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        rnd.keep_alive.append(forward_batch)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             out = self.draft_model_runner.forward(forward_batch)
         hidden = out.logits_output.hidden_states
@@ -357,6 +362,7 @@ class KDTreeWorker(DFlashWorkerV2):
         with self.verify_tiers.use(width):  # the target's attention backend and verify graphs of this width
             verify_fb, kv_plan = tree_verify_batch(self.target_worker, rnd.batch, verify, verify_slots,
                                                    rnd.prefix_lens, rnd.prefix_cpu, rnd.prefix_sum, width)
+            rnd.keep_alive.append(verify_fb)
             rnd.marks.mark("prepare")
             target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
                                                                      is_verify=True, skip_attn_backend_init=True)
@@ -444,6 +450,7 @@ class KDTreeWorker(DFlashWorkerV2):
             new_seq_lens=new_seq_lens,
             routed_experts_output=target_out.routed_experts_output,
             indexer_topk_output=target_out.indexer_topk_output,
+            extra_keep_alive_refs=rnd.keep_alive,
         )
 
     def _draft_topk(self, draft_hidden, faults=None, marks=None):
