@@ -30,8 +30,9 @@ inputs, expected accepts), ``topk_tree_verify`` (top-K first), ``eager_tree_step
 first; the GPU backend captures the same composition in a CUDA graph) and ``eager_accept_commit_greedy``.
 
 Faults: no backend raises on bad values in one request. ``AcceptResult.errors`` marks requests, and
-``tree_errors`` / ``commit_errors`` (``int32 [1]``) collect the batch's draft and commit faults; the worker reads
-them once per round (``round_faults.end_faulty_requests``) and ends the faulty requests.
+``tree_errors`` / ``commit_errors`` (``int32 [1]``) collect the batch's draft and commit faults; the worker turns
+them into per-request fault words on the device (``round_faults.device_fault_words``) and ends the faulty
+requests when SGLang reads the round's results (``round_faults.DeferredFaults``).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class AcceptResult:
 
     def raise_on_error(self) -> None:
         """Sync and raise ``ValueError`` naming each fault if any request's ``errors`` bits are set (tests and
-        debugging: the worker reads the bits without raising, ``round_faults.end_faulty_requests``)."""
+        debugging: the worker reads the bits without raising, ``round_faults.device_fault_words``)."""
         raise_on_device_error(self.errors, "accept")
 
 

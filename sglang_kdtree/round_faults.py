@@ -1,8 +1,10 @@
 """Faults of a KDTREE decode round, contained so that only the requests they hit end.
 
 **Bad values** (NaN / +inf logits, an invalid path or slot): no backend raises mid-round (``contract``). At the
-round's end ``end_faulty_requests`` reads the backend's device error flags once and ends each flagged request
-with ``FINISH_ABORT`` naming the fault (HTTP 500); the rest of the batch goes on.
+round's end ``device_fault_words`` turns the backend's error flags into one fault word per request on the device,
+and the host reads them only where SGLang reads the round's accept counts (``DeferredFaults``, from the worker's
+``on_verify_complete_cpu``): each flagged request ends with ``FINISH_ABORT`` naming the fault (HTTP 500), the rest
+of the batch goes on, and the round never waits for the device.
 
 **Allocation failures** (``contained_round``, around ``KDTreeWorker._tree_round``). Policy:
 
@@ -50,6 +52,7 @@ import dataclasses
 import gc
 import json
 import logging
+from collections import deque
 from contextlib import contextmanager
 from http import HTTPStatus
 
@@ -238,54 +241,103 @@ def read_test_faults(path: str | None, batch) -> dict:
     return out
 
 
-# -- bad values: the device error flags, read once per round ----------------------------------------------------
+# -- bad values: per-request fault words, computed on the device, read where SGLang reads the round's results ----
 
 
-def _batch_flag_faults(faults: dict, bs: int, tree_bits: int, commit_bits: int, acc_plan, draft_logits) -> None:
-    """Trace the per-batch flags (draft log-probs / tree, KV commit) back to requests: those whose draft logits
-    hold NaN / +inf, whose commit plan is invalid; failing that, every request of the batch."""
-    from sglang_kdtree.gpu.errors import describe_device_error
-    from sglang_kdtree.gpu.topk import TOPK_ERRORS
-
-    if tree_bits:
-        what = [m for bit, m in TOPK_ERRORS.items() if tree_bits & bit]
-        rows = draft_logits.reshape(bs, -1)
-        bad = (torch.isnan(rows) | torch.isposinf(rows)).any(dim=1).tolist()
-        for b in [b for b in range(bs) if bad[b]] or range(bs):
-            faults.setdefault(b, []).extend(f"draft: {m}" for m in what)
-    if commit_bits:
-        invalid = (acc_plan.src_slots[:, 0] < 0).tolist()
-        for b in [b for b in range(bs) if invalid[b]] or range(bs):
-            faults.setdefault(b, []).extend(f"commit: {m}" for m in describe_device_error(commit_bits))
+def _flag_on_rows(flag: torch.Tensor, rows: torch.Tensor | None, bs: int) -> torch.Tensor:
+    """``[bs]`` int64: a batch-level ``flag`` ``[1]`` on the requests ``rows`` marks, and on every request when
+    the flag is set but ``rows`` marks none (or there are no rows to trace it with): an untraceable fault ends
+    the whole batch rather than serving wrong tokens."""
+    if rows is None:
+        return flag.expand(bs)
+    hit = rows | ~rows.any()
+    return torch.where(hit, flag, torch.zeros_like(flag))
 
 
-def end_faulty_requests(backend, batch, acc, plan, draft_logits) -> None:
-    """Read every device error flag of the round once (the round's one host read at its end; the scheduler
-    reads the results right after) and end each flagged request with ``FINISH_ABORT`` naming the fault,
-    so the rest of the batch goes on. Flags the kernels keep per batch, not per request (draft
-    log-probs / tree, KV commit), are traced back to the requests whose draft logits hold NaN / +inf or
-    whose commit plan is invalid; failing that, the whole batch is ended. The flags are cleared."""
-    tree_flag, commit_flag = backend.tree_errors, backend.commit_errors
-    words = torch.cat([tree_flag.to(torch.int64), commit_flag.to(torch.int64), acc.errors.to(torch.int64)])
-    host = words.tolist()
-    tree_bits, commit_bits, req_bits = host[0], host[1], host[2:]
-    if not (tree_bits or commit_bits or any(req_bits)):
-        return
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+def _bad_draft_rows(draft_logits: torch.Tensor | None, bs: int) -> torch.Tensor | None:
+    """``[bs]`` bool: requests whose draft logits hold NaN or +inf. One fp32 sum per request reads the logits
+    once: it is NaN with a NaN (or +inf next to -inf), +inf with a +inf, and -inf, never flagged, when -inf
+    (an impossible token, legitimate) is the only non-finite value."""
+    if draft_logits is None:
+        return None
+    # splitting the leading dimension is a view even of the head's column-cut logits: no copy
+    total = draft_logits.reshape(bs, -1, draft_logits.shape[-1]).sum(dim=(1, 2), dtype=torch.float32)
+    return torch.isnan(total) | torch.isposinf(total)
 
-    from sglang_kdtree.gpu.errors import describe_device_error
 
-    faults = {b: describe_device_error(bits) for b, bits in enumerate(req_bits) if bits}
-    _batch_flag_faults(faults, len(req_bits), tree_bits, commit_bits, plan, draft_logits)
-    if tree_bits:
-        tree_flag.zero_()
-    if commit_bits:
-        commit_flag.zero_()
-    for b, problems in sorted(faults.items()):
-        req = batch.reqs[b]
+def device_fault_words(backend, acc, plan, draft_logits) -> torch.Tensor:
+    """The round's faults per request as ``[bs, 3]`` int64 ``(accept bits, draft bits, commit bits)``, computed
+    on the device without a host read, and the backend's batch-level flags cleared (stream-ordered after the
+    read). The draft / tree flag and the commit flag are kept per batch by the kernels: they are traced to the
+    requests whose draft logits hold NaN / +inf and whose commit plan is invalid (``src_slots[:, 0] < 0``);
+    failing that, to every request of the batch."""
+    bs = int(acc.errors.shape[0])
+    accept = acc.errors.to(torch.int64).reshape(bs)
+    draft = _flag_on_rows(backend.tree_errors.to(torch.int64), _bad_draft_rows(draft_logits, bs), bs)
+    commit = _flag_on_rows(backend.commit_errors.to(torch.int64), plan.src_slots[:, 0] < 0, bs)
+    words = torch.stack([accept, draft, commit], dim=1)
+    backend.tree_errors.zero_()
+    backend.commit_errors.zero_()
+    return words
+
+
+def fault_messages(accept_bits: int, draft_bits: int, commit_bits: int) -> list[str]:
+    """What a request's fault word says, per fault (accept faults as they are, then ``draft:`` and ``commit:``)."""
+    from sglang_kdtree.gpu.errors import TREE_ERRORS, describe_device_error
+
+    return (describe_device_error(accept_bits) if accept_bits else []) + [
+        f"draft: {m}" for bit, m in TREE_ERRORS.items() if draft_bits & bit] + (
+        [f"commit: {m}" for m in describe_device_error(commit_bits)] if commit_bits else [])
+
+
+def finish_faulty_requests(reqs, words_cpu) -> list:
+    """End each request whose fault word (``device_fault_words``, now on the host) is nonzero with
+    ``FINISH_ABORT`` (HTTP 500) naming its faults; the rest of the batch goes on. A request already finished
+    or retracted is left alone: SGLang discards that round's output for it. Returns the ended requests."""
+    ended = []
+    for req, (accept_bits, draft_bits, commit_bits) in zip(reqs, words_cpu.tolist()):
+        if not (accept_bits or draft_bits or commit_bits) or req.finished() or req.is_retracted:
+            continue
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        problems = fault_messages(accept_bits, draft_bits, commit_bits)
         message = f"KDTREE round failed for this request: {'; '.join(problems)}"
         logger.error("%s (rid=%s)", message, req.rid)
         req.to_finish = FINISH_ABORT(message, status_code=500, err_type="InternalServerError")
+        ended.append(req)
+    return ended
+
+
+class DeferredFaults:
+    """The fault words of every decode result the worker returned, in launch order, until SGLang hands that
+    result's accept counts to ``on_verify_complete_cpu`` (once per decode result, in order, in both scheduler
+    modes, after the result's ``copy_done`` and before its tokens are appended). The words' device-to-host copy
+    is issued on the round's stream before the scheduler's result copy, so it has landed by then; the faulty
+    requests end when their round's result is processed, with that round's tokens and the same status as if
+    the round had read its flags itself."""
+
+    def __init__(self):
+        self._queue: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, reqs, words: torch.Tensor | None) -> None:
+        """The round's requests (a snapshot of the list: SGLang rebinds ``batch.reqs`` as it filters) and its
+        device fault words (None: a result with no fault to read, e.g. an ended batch's)."""
+        from sglang.srt.utils.common import async_d2h
+
+        self._queue.append((list(reqs), None if words is None else async_d2h(words)))
+
+    def land(self, batch_size: int) -> list:
+        """The oldest result's faults: end its faulty requests; returns them."""
+        if not self._queue:
+            raise RuntimeError("KDTREE: SGLang reported a decode result the worker has no fault words for")
+        reqs, words_cpu = self._queue.popleft()
+        if len(reqs) != batch_size:
+            raise RuntimeError(f"KDTREE: SGLang reported a decode result of {batch_size} requests, but the oldest "
+                               f"round in flight had {len(reqs)}: results out of order")
+        return [] if words_cpu is None else finish_faulty_requests(reqs, words_cpu)
 
 
 # -- allocation failures: one retry, then the batch ends -----------------------------------------------------
@@ -373,6 +425,7 @@ def _end_batch(worker, batch, finish, on_publish=None):
     bonus = next_token_ids.view(-1, width)[:, 0]
     if on_publish is not None:
         on_publish(new_seq_lens)
+    worker.deferred_faults.push(batch.reqs, None)  # SGLang reports every decode result, this one too
     return GenerationBatchResult(
         logits_output=abort_logits_output(batch),
         next_token_ids=next_token_ids,

@@ -85,9 +85,10 @@ _UNSERVED_SERVER_FLAGS = (
      "grammar requests)"),
 )
 
-#: Whether the worker keeps the decode path free of host syncs, so SGLang's overlap scheduler may run it.
-#: While False, a server started without ``--disable-overlap-schedule`` is refused at startup.
-SUPPORTS_OVERLAP = False
+#: Whether SGLang's overlap scheduler may run the worker: the decode round reads nothing back from the device
+#: (its host lengths are SGLang's, its faults and width statistics are read one result later;
+#: ``tests/test_host_syncs.py``), so overlap is on unless ``--disable-overlap-schedule`` is given.
+SUPPORTS_OVERLAP = True
 
 
 def _device_type(device) -> str:
@@ -220,11 +221,6 @@ def launch_problems(server_args, resolved: dict):
         yield (f"KDTREE: --pp-size {sa.pp_size} is not supported; use --pp-size 1")
     if getattr(sa, "dp_size", 1) not in (None, 1) and getattr(sa, "enable_dp_attention", False):
         yield ("KDTREE: DP attention is not supported; drop --enable-dp-attention")
-    if not SUPPORTS_OVERLAP and not sa.disable_overlap_schedule:
-        yield (
-            "KDTREE: overlap scheduling is not supported yet (the tree accept path still synchronises with "
-            "the host); add --disable-overlap-schedule"
-        )
 
     mode = getattr(sa, "return_hidden_states_mode", None)
     if getattr(sa, "enable_return_hidden_states", False) or mode is not None:

@@ -10,24 +10,28 @@ no host synchronisation:
   realised to expected accepted draft tokens at width ``w`` (decayed sums). A round verified at width ``v`` tells
   the exact accept length of every cut ``w <= v`` (``widths.realised_accepts``), so the smallest tier is always
   calibrated; a tier wider than any verified one borrows the ratio of the widest calibrated tier.
-* **The round's time** at each tier: the host wall time of the whole round (drafter, tree, verify forward,
-  accept, commit; the round ends with a host read of its error flags, so the device work is inside it), per cell
-  of batch size (next power of two, as SGLang pads graph batches) and context (mean committed length, next power
-  of two). A cell that has not timed a tier yet verifies at that tier (exploration: exact like any other width;
-  its first round per cell is discarded as warm-up: graph captures); every ``REFRESH_ROUNDS`` rounds of a cell,
-  its stalest tier is timed again.
+* **The round's time** at each tier: the round from its start to its result (drafter, tree, verify forward,
+  accept, commit), on the device's own clock on CUDA (a pair of timing events around the round's work, so the
+  host never waits to time it) and on the host clock on CPU (where every op has finished when it returns), per
+  cell of batch size (next power of two, as SGLang pads graph batches) and context (mean committed length, next
+  power of two). A cell that has not timed a tier yet verifies at that tier (exploration: exact like any other
+  width; its first round per cell is discarded as warm-up: graph captures); every ``REFRESH_ROUNDS`` rounds of a
+  cell, its stalest tier is timed again.
 
 The choice is ``widths.best_width`` of those two. ``policy="cycle"`` instead steps through the tiers round by round
 (tests and diagnostics: outputs must not depend on the width). One tier: that width, always.
 
-``record`` issues the round's statistics as one small non-blocking device-to-host copy; ``settle`` reads them
-once the round's own host read has passed (nothing waits for them).
+Statistics land late, and nothing waits for them: ``start`` marks a round's start, ``record`` issues the round's
+statistics as one small non-blocking device-to-host copy into a ring of pinned buffers and marks its end, and
+``settle`` (called before each ``choose``) folds in, oldest first, the rounds whose end has passed on the
+device. Under SGLang's overlap scheduler a choice therefore sees the rounds up to one or two before it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +69,7 @@ class _Cell:
 class WidthChooser:
     """The per-round width choice of one worker (module docstring)."""
 
-    def __init__(self, tiers, policy: str = "auto", device="cpu", log_stats: bool = False):
+    def __init__(self, tiers, policy: str = "auto", device="cpu", log_stats: bool = False, timer=None):
         if policy not in POLICIES:
             raise ValueError(f"KDTREE: {POLICY_ENV}={policy!r} is not one of {', '.join(POLICIES)}")
         self.tiers = tuple(sorted(int(w) for w in tiers))
@@ -80,8 +84,11 @@ class WidthChooser:
         self.real_tokens = [0.0] * t  # ... and of the realised ones
         self._cells: dict = {}
         self._rounds = 0
-        self._pending: list = []  # (host buffer, event, round info) not yet settled
+        self._pending: deque = deque()  # (timer ticket, round info) recorded, not yet folded in, oldest first
         self.last: dict = {}  # the latest settled round (the round log's fields)
+        if timer is None:
+            timer = DeviceTimer(self.device, t) if self.device.type == "cuda" and self.keep_stats else HostTimer()
+        self._timer = timer
 
     # -- estimates -------------------------------------------------------------------------------------------
 
@@ -126,43 +133,46 @@ class WidthChooser:
 
     # -- statistics ------------------------------------------------------------------------------------------
 
-    def record(self, width: int, bs: int, prefix_sum: int, started: float, expected, accepted) -> None:
+    def start(self):
+        """Mark the start of the round about to run (after ``choose``); None when no statistics are kept."""
+        return self._timer.start() if self.keep_stats else None
+
+    def record(self, width: int, bs: int, prefix_sum: int, started, expected, accepted) -> None:
         """Issue the round's statistics: ``expected`` ``[bs, T]`` (``widths.expected_accepts``) and ``accepted``
-        ``[bs, L+1]`` node indices, summed over the batch on the device and copied to the host without waiting."""
+        ``[bs, L+1]`` node indices, summed over the batch on the device and copied to the host without waiting;
+        ``started``: what ``start`` returned (None: the round is counted, not measured)."""
         self._rounds += 1
-        if expected is None or not self.keep_stats:
+        if expected is None or started is None:
             return
         realised = realised_accepts(accepted, self.tiers).to(torch.float32)
         stats = torch.stack([expected.sum(dim=0), realised.sum(dim=0)])  # [2, T]
-        if stats.device.type == "cuda":
-            host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            host.copy_(stats, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = stats, None
-        self._pending.append((host, event, (int(width), int(bs), int(prefix_sum), started)))
+        self._pending.append((self._timer.stop(started, stats), (int(width), int(bs), int(prefix_sum))))
 
-    def settle(self, ended: float | None = None) -> None:
-        """Fold in every recorded round whose copy has landed (the worker calls it after the round's host read,
-        so the latest one has); ``ended``: the host clock at the round's end (default now)."""
-        ended = time.perf_counter() if ended is None else ended
-        keep = []
-        for host, event, info in self._pending:
-            if event is not None and not event.query():
-                keep.append((host, event, info))
-                continue
-            self._fold(host.tolist(), info, ended)
-        self._pending = keep
+    def settle(self, wait: bool = False) -> None:
+        """Fold in, oldest first, every recorded round that has landed (its end has passed on the device), and
+        stop at the first that has not; ``wait=True`` (diagnostics only) waits for every one."""
+        while self._pending:
+            ticket, info = self._pending[0]
+            if not wait and not self._timer.ready(ticket):
+                return
+            self._timer.wait(ticket)
+            self._pending.popleft()
+            stats, seconds = self._timer.read(ticket)
+            self._fold(stats, info, seconds)
 
-    def _fold(self, stats, info, ended: float) -> None:
-        width, bs, prefix_sum, started = info
+    @property
+    def pending(self) -> int:
+        """Rounds recorded and not yet folded in."""
+        return len(self._pending)
+
+    def _fold(self, stats, info, seconds: float) -> None:
+        width, bs, prefix_sum = info
         expected, realised = stats
         i = self.tiers.index(width)
         before = self.calibration()[i]  # the ratio this round's choice could have known
         self.last = {"width": width, "predicted": round(1.0 + before * (expected[i] / bs - 1.0), 4),
                      "predicted_raw": round(expected[i] / bs, 4), "realised": round(realised[i] / bs, 4),
-                     "round_ms": round((ended - started) * 1e3, 4)}
+                     "round_ms": round(seconds * 1e3, 4)}
         for i in range(len(self.tiers)):
             self.expected_sum[i] *= DECAY
             self.pred_tokens[i] *= DECAY
@@ -175,10 +185,75 @@ class WidthChooser:
                 self.real_tokens[i] += realised[i] - bs
         cell = self._cells.setdefault(self._cell(bs, prefix_sum), _Cell())
         cell.rounds += 1
-        seconds = ended - started
         if width in cell.warm:
             old = cell.seconds.get(width)
             cell.seconds[width] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
             cell.timed_at[width] = cell.rounds
         else:
             cell.warm.add(width)
+
+
+class HostTimer:
+    """Round times on the host clock, statistics already on the host: a CPU server, where every op has finished
+    when it returns."""
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, started: float, stats: torch.Tensor):
+        return stats, time.perf_counter() - started
+
+    def ready(self, ticket) -> bool:
+        return True
+
+    def wait(self, ticket) -> None:
+        pass
+
+    def read(self, ticket) -> tuple[list, float]:
+        stats_cpu, seconds = ticket
+        return stats_cpu.tolist(), seconds
+
+
+class DeviceTimer:
+    """Round times on the device's clock (a pair of timing events) and statistics copied into pinned host
+    buffers, in a ring of ``RING`` slots so nothing is allocated per round. A round that finds every slot still
+    in flight is counted but not measured (``start`` returns None); a started round that never stopped (it
+    raised and was retried) leaves its slot to the next ``start``."""
+
+    RING = 8
+
+    def __init__(self, device, tiers: int, event=None):
+        device = torch.device(device)
+        event = event or torch.get_device_module(device).Event  # the tests' stand-in: an object with the same calls
+        pin = device.type == "cuda"
+        self._slots = [(torch.empty((2, tiers), dtype=torch.float32, pin_memory=pin),
+                        event(enable_timing=True), event(enable_timing=True)) for _ in range(self.RING)]
+        self._free = deque(range(self.RING))
+        self._open: int | None = None
+
+    def start(self) -> int | None:
+        if self._open is None:
+            if not self._free:
+                return None
+            self._open = self._free.popleft()
+        self._slots[self._open][1].record()
+        return self._open
+
+    def stop(self, slot: int, stats: torch.Tensor) -> int:
+        host, _, end = self._slots[slot]
+        host.copy_(stats, non_blocking=True)
+        end.record()
+        self._open = None
+        return slot
+
+    def ready(self, slot: int) -> bool:
+        return self._slots[slot][2].query()
+
+    def wait(self, slot: int) -> None:
+        self._slots[slot][2].synchronize()
+
+    def read(self, slot: int) -> tuple[list, float]:
+        host, begin, end = self._slots[slot]
+        out = host.tolist(), begin.elapsed_time(end) / 1e3
+        self._free.append(slot)
+        return out

@@ -24,22 +24,25 @@ decode round (``KDTreeWorker._tree_round``, one method per step):
    into the draft KV at those positions.
 8. **Result**: ``GenerationBatchResult`` with the V2 fields: ``next_token_ids`` of stride ``B + 1`` (whatever the
    round's width) whose first ``tau`` entries are the committed tokens, ``accept_lens = tau`` (bonus included),
-   ``new_seq_lens = P + tau``; the width choice's statistics of the round, read with the round's error flags.
+   ``new_seq_lens = P + tau``; the round's per-request fault words and width-choice statistics, copied to the
+   host without waiting (read once SGLang has the round's results).
 
 Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_kdtree.pipeline.select_backend``
 (reference on CPU, GPU kernels on CUDA); both follow ``sglang_kdtree.contract``. The round geometry (budget,
 block, vocabulary) is ``self.geometry``, published for the patches with ``state.publish``.
 
-Overlap scheduling: not supported (``spec.SUPPORTS_OVERLAP = False``, a server without
-``--disable-overlap-schedule`` is refused at startup). The round's host lengths are SGLang's own
-(``verify_input.host_prefix_lens``), but it still reads its fault flags on the host at its end
-(``round_faults.end_faulty_requests``) and times the width choice on the host clock, so it cannot run ahead of
-the scheduler; ``tests/test_host_syncs.py`` lists every host sync left on the round's path.
+Overlap scheduling (``spec.SUPPORTS_OVERLAP``; on unless ``--disable-overlap-schedule``): SGLang issues round k+1
+while round k runs, so the round never waits for the device. Its host lengths are SGLang's own
+(``verify_input.host_prefix_lens``), ``on_publish(new_seq_lens)`` hands the next round its lengths as soon as the
+accept is issued, its fault words are read where SGLang reads its results (``on_verify_complete_cpu``) and the
+width choice times it with device events, settled before the next choice (``width_choice``); no host sync is
+left on the round's path (``tests/test_host_syncs.py`` lists every one elsewhere, each with its reason).
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
-requests they hit (``end_faulty_requests``); an allocation failure (``torch.OutOfMemoryError`` /
-``MemoryError``) anywhere in the round is retried once after the plugin's round caches are released, and a
-second failure ends every request of that batch (``contained_round``).
+requests they hit; the flags become per-request fault words on the device (``device_fault_words``), read on the
+host where SGLang reads the round's results (``on_verify_complete_cpu``, ``DeferredFaults``). An allocation failure
+(``torch.OutOfMemoryError`` / ``MemoryError``) anywhere in the round is retried once after the plugin's round
+caches are released, and a second failure ends every request of that batch (``contained_round``).
 
 Sampling at T > 0: temperature, top-k, top-p and min-p as SGLang's sampler applies them (penalties are
 refused at admission, ``sglang_kdtree/patches/request_validation.py``), with a per-request seed from ``sampling_seed``
@@ -53,9 +56,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,7 +115,10 @@ class _Round:
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
     shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
-    started: float  # host clock at the round's start (the width choice's round time)
+    started: object  # the width choice's start mark (WidthChooser.start; None: the round is not timed)
+    # the round's forward batches: under overlap SGLang keeps them alive for two more iterations, as EAGLE's
+    # verify batch, so nothing they hold is freed while the device may still read it
+    keep_alive: list = field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -160,6 +165,7 @@ class KDTreeWorker(DFlashWorkerV2):
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
         self._test_faults_path = os.environ.get(round_faults.TEST_FAULTS_ENV) or None
+        self.deferred_faults = round_faults.DeferredFaults()  # read in on_verify_complete_cpu
         self._check_host_lens = os.environ.get(CHECK_HOST_LENS_ENV) == "1"
         self._dumped = 0
         # the GPU round's bookkeeping (tree step; greedy accept + commit) replays CUDA graphs
@@ -214,6 +220,13 @@ class KDTreeWorker(DFlashWorkerV2):
             return round_faults.ended_grammar_batch(self, batch, on_publish)
         return round_faults.contained_round(self, batch, on_publish)
 
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
+        """SGLang's call once per decode result, in launch order, once the result is on the host (both scheduler
+        modes): the round's fault words have landed too, and its faulty requests end before its tokens are
+        appended (``round_faults.DeferredFaults``)."""
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        self.deferred_faults.land(batch_size)
+
     # ------------------------------------------------------------------------------------------------
     # the decode round
     # ------------------------------------------------------------------------------------------------
@@ -242,10 +255,11 @@ class KDTreeWorker(DFlashWorkerV2):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
-        started = time.perf_counter()
         prefix_lens = batch.seq_lens.to(torch.int64)
         prefix_cpu, prefix_sum = host_prefix_lens(batch, check=self._check_host_lens)
+        self.chooser.settle()  # the earlier rounds whose statistics have landed; nothing waits for the others
         shape = self.geometry.shape(self.chooser.choose(len(prefix_cpu), prefix_sum))
+        started = self.chooser.start()
         rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
                      RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
                      faults=None, shape=shape, started=started)
@@ -296,6 +310,7 @@ class KDTreeWorker(DFlashWorkerV2):
             global_num_token_non_padded_cpu=bs * block, can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
         )
         plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        rnd.keep_alive.append(forward_batch)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             out = self.draft_model_runner.forward(forward_batch)
         hidden = out.logits_output.hidden_states
@@ -347,6 +362,7 @@ class KDTreeWorker(DFlashWorkerV2):
         with self.verify_tiers.use(width):  # the target's attention backend and verify graphs of this width
             verify_fb, kv_plan = tree_verify_batch(self.target_worker, rnd.batch, verify, verify_slots,
                                                    rnd.prefix_lens, rnd.prefix_cpu, rnd.prefix_sum, width)
+            rnd.keep_alive.append(verify_fb)
             rnd.marks.mark("prepare")
             target_out = self.target_worker.forward_batch_generation(batch=None, forward_batch=verify_fb,
                                                                      is_verify=True, skip_attn_backend_init=True)
@@ -416,13 +432,14 @@ class KDTreeWorker(DFlashWorkerV2):
             round_logprobs(rnd.batch, logits_output, logits, acc.accepted[:, :cols], acc.committed[:, :cols])
         rnd.marks.mark("accept_commit")
         self.chooser.record(rnd.width, rnd.bs, rnd.prefix_sum, rnd.started, step.expected, acc.accepted)
-        round_faults.end_faulty_requests(self.backend, rnd.batch, acc, commit, step.draft_logits)
-        self.chooser.settle()  # after the host read above: this round's statistics have landed
+        fault_words = round_faults.device_fault_words(self.backend, acc, commit, step.draft_logits)
         if self._round_log is not None:
+            self.chooser.settle(wait=True)  # the record names this round's width: diagnostics may wait
             round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,
                                          rnd.marks, target_out.can_run_cuda_graph, width=self.chooser.last,
                                          tiers=self.verify_tiers.stats())
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
+        self.deferred_faults.push(rnd.batch.reqs, fault_words)  # last: a retried round must not push twice
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=out_tokens.reshape(-1),
@@ -433,6 +450,7 @@ class KDTreeWorker(DFlashWorkerV2):
             new_seq_lens=new_seq_lens,
             routed_experts_output=target_out.routed_experts_output,
             indexer_topk_output=target_out.indexer_topk_output,
+            extra_keep_alive_refs=rnd.keep_alive,
         )
 
     def _draft_topk(self, draft_hidden, faults=None, marks=None):

@@ -389,8 +389,8 @@ def test_launch_args_problem_runs_sglangs_parser_then_kdtrees_checks():
 
     base = ["--model-path", "/m", "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", "/d",
             "--attention-backend", "fa3", "--page-size", "1"]
+    assert launch_args_problem(base) is None  # overlap scheduling, SGLang's default
     assert launch_args_problem(base + ["--disable-overlap-schedule"]) is None
-    assert "overlap scheduling is not supported yet" in launch_args_problem(base)
     assert "--speculative-eagle-topk 8 does not apply" in launch_args_problem(
         base + ["--disable-overlap-schedule", "--speculative-eagle-topk", "8"])
     assert launch_args_problem(base + ["--no-such-flag"]) == (

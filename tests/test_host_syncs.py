@@ -36,14 +36,16 @@ _REDUCTIONS = {"any", "all", "sum", "max", "min"}
 _HOST_BUILT = {"tensor", "as_tensor", "from_numpy"}
 
 ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
-    # the round's fault read
-    ("round_faults.py", "end_faulty_requests", ".tolist()"):
-        (1, "the round's one fault read; under overlap it moves to on_verify_complete_cpu (docs/overlap.md)"),
-    ("round_faults.py", "_batch_flag_faults", ".tolist()"):
-        (2, "only when a batch-level fault flag is set, to trace it to its requests"),
+    # the round's fault words, on the host once SGLang has the round's results (not on the round's path)
+    ("round_faults.py", "finish_faulty_requests", ".tolist()"):
+        (1, "a host copy, read in on_verify_complete_cpu after SGLang's copy_done: it has landed, no wait"),
     ("round_faults.py", "release_round_caches", ".empty_cache()"): (1, "failure path: OOM retry"),
-    ("width_choice.py", "WidthChooser.settle", ".tolist()"):
-        (1, "a pinned host copy whose event has completed (event.query()): no wait"),
+    ("width_choice.py", "DeviceTimer.read", ".tolist()"):
+        (1, "a pinned host copy read only once its end event has completed (settle checks ready()): no wait"),
+    ("width_choice.py", "DeviceTimer.wait", ".synchronize()"):
+        (1, "only settle(wait=True), which only the round log calls (diagnostics, KDTREE_ROUND_LOG)"),
+    ("width_choice.py", "HostTimer.read", ".tolist()"):
+        (1, "a host tensor: the CPU server's statistics never left the host"),
     # seeded prefill (T > 0 requests with sampling_seed, outside deterministic mode)
     ("reference_backend.py", "_np", '.to("cpu")'):
         (1, "reference backend: numpy by design (on CUDA only the seeded prefill's draw uses it)"),

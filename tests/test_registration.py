@@ -154,12 +154,11 @@ def test_invalid_configurations_fail_with_our_message(model_dir, extra, match):
         resolve(model_dir, *extra)
 
 
-def test_overlap_scheduling_is_refused_with_the_fix(model_dir):
-    if spec.SUPPORTS_OVERLAP:
-        assert resolve(model_dir, overlap_off=False).speculative_algorithm == "KDTREE"
-    else:
-        with pytest.raises(ValueError, match="add --disable-overlap-schedule"):
-            resolve(model_dir, overlap_off=False)
+def test_overlap_scheduling_is_the_default_and_can_be_turned_off(model_dir):
+    assert spec.SUPPORTS_OVERLAP
+    overlapped = resolve(model_dir, overlap_off=False)
+    assert overlapped.speculative_algorithm == "KDTREE" and not overlapped.disable_overlap_schedule
+    assert resolve(model_dir).disable_overlap_schedule
 
 
 def test_missing_drafter_is_refused(model_dir):

@@ -193,7 +193,7 @@ def test_install_rolls_back_by_itself_when_the_restart_fails(tmp_path):
         ("plugin not installed", "sglang-kdtree is not installed in the environment of KDTREE_PYTHON"),
         ("wrong sglang", "SGLang 0.5.9 is installed but sglang-kdtree 0.1.0 needs sglang==0.5.23"),
         ("old python", "Python 3.10.12 is too old"),
-        ("flags refused", "the command line would not start: KDTREE: overlap scheduling is not supported yet"),
+        ("flags refused", "the command line would not start: KDTREE: --speculative-eagle-topk 8 does not apply"),
         ("python does not run", "could not run the service's Python (KDTREE_PYTHON"),
         ("drop-in overrides ExecStart", "overrides ExecStart="),
     ],
@@ -220,7 +220,7 @@ def test_preflight_failure_stops_the_install_and_launch_print_refuses_it_too(tmp
     elif case == "old python":
         report[0] = "python 3.10.12"
     elif case == "flags refused":
-        report[-1] = "flags error KDTREE: overlap scheduling is not supported yet; add --disable-overlap-schedule"
+        report[-1] = "flags error KDTREE: --speculative-eagle-topk 8 does not apply (DDTree's per-depth top-K ...)"
     elif case == "python does not run":
         site["KDTREE_PYTHON"] = str(write_executable(tmp_path / "broken-python", "#!/bin/sh\necho boom >&2\nexit 3\n"))
     elif case == "drop-in overrides ExecStart":
@@ -247,14 +247,15 @@ def test_preflight_failure_stops_the_install_and_launch_print_refuses_it_too(tmp
 
 
 def test_launch_print_refuses_what_install_refuses_with_the_real_python(tmp_path):
-    """With this environment's Python (SGLang and the plugin installed): an env file without
-    --disable-overlap-schedule, which the server refuses at startup, is refused by `launch.sh --print` and by the
+    """With this environment's Python (SGLang and the plugin installed): an env file with
+    --speculative-eagle-topk 8, which the server refuses at startup, is refused by `launch.sh --print` and by the
     install's dry run alike, before anything changes. (One refused flag here, the wiring: what
     ``doctor_launch.launch_args_problem`` refuses is tested in-process in test_doctor.py; each run here costs a
     Python that imports SGLang.)"""
-    site = make_site(tmp_path, KDTREE_PYTHON=sys.executable, KDTREE_EXTRA_ARGS='"--trust-remote-code"')
+    site = make_site(tmp_path, KDTREE_PYTHON=sys.executable,
+                     KDTREE_EXTRA_ARGS='"--trust-remote-code --speculative-eagle-topk 8"')
     env_file = write_env(tmp_path / "site.env", site)
-    refusal = re.compile(r"FAIL the command line would not start: .*overlap")
+    refusal = re.compile(r"FAIL the command line would not start: .*--speculative-eagle-topk 8 does not apply")
 
     shown = run_script("launch.sh", "--env-file", env_file, "--print", timeout=600)
     assert shown.returncode != 0 and shown.stdout == "", shown.stdout + shown.stderr
@@ -361,7 +362,7 @@ def test_readme_steps_work_as_written_in_a_scratch_root(tmp_path):
         (line,) = check_block
         shown = run(line)
         argv = shlex.split(shown.stdout)
-        assert argv[0] == f"{root}/opt/sglang-kdtree/venv/bin/python" and "--disable-overlap-schedule" in argv
+        assert argv[0] == f"{root}/opt/sglang-kdtree/venv/bin/python" and "--trust-remote-code" in argv
         assert "ok   the command line passes SGLang's argument parser and KDTREE's startup checks" in shown.stderr
 
         # Step 3: the dry run changes nothing; the install restarts and passes the healthcheck.

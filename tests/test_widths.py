@@ -181,6 +181,40 @@ def test_geometry_shapes():
 # -- the width choice -----------------------------------------------------------------------------------------
 
 
+class _Clock:
+    """A width-choice timer whose rounds take ``seconds`` each and land on the device only when the test says
+    (``hold``: rounds recorded from now on stay in flight until ``land()``)."""
+
+    def __init__(self):
+        self.seconds, self.hold, self._in_flight = 1.0, False, []
+
+    def start(self):
+        return "start"
+
+    def stop(self, started, stats):
+        ticket = {"stats": stats.clone(), "seconds": self.seconds, "landed": not self.hold}
+        self._in_flight.append(ticket)
+        return ticket
+
+    def ready(self, ticket):
+        return ticket["landed"]
+
+    def wait(self, ticket):
+        ticket["landed"] = True
+
+    def read(self, ticket):
+        return ticket["stats"].tolist(), ticket["seconds"]
+
+    def land(self):
+        for ticket in self._in_flight:
+            ticket["landed"] = True
+
+
+def _run_round(chooser, clock, width, rng, bs=8, q=0.7, p=0.7, depth=15):
+    expected, accepted = _chain_round(rng, bs, depth, q, p)
+    chooser.record(width, bs, 800, chooser.start(), expected, accepted)
+
+
 def _chain_round(rng, bs, depth, q, p):
     """A chain drafter claiming per-depth acceptance q; the target accepts each next depth with probability p."""
     scores = np.zeros((bs, depth + 1))
@@ -198,35 +232,75 @@ def _chain_round(rng, bs, depth, q, p):
 @pytest.mark.parametrize("q, p", [(0.9, 0.6), (0.5, 0.8)])  # over- and under-confident
 def test_calibration_converges_to_the_true_ratio(q, p):
     depth, tiers = 15, (4, 8, 16)
-    chooser = WidthChooser(tiers, policy="cycle")
+    clock = _Clock()
+    chooser = WidthChooser(tiers, policy="cycle", timer=clock)
     rng = np.random.default_rng(0)
     for r in range(1500):
-        expected, accepted = _chain_round(rng, 8, depth, q, p)
-        chooser.record(tiers[r % 3], 8, 800, 0.0, expected, accepted)
-        chooser.settle(ended=1.0)
+        _run_round(chooser, clock, tiers[r % 3], rng, q=q, p=p, depth=depth)
+        chooser.settle()
     for w, ratio in zip(tiers, chooser.calibration()):
         want = sum(p ** d for d in range(1, w)) / sum(q ** d for d in range(1, w))
         assert abs(ratio - want) <= 0.1 * want, (w, ratio, want)
     assert abs(ratio - 1.0) > 0.2  # the test distinguishes a miscalibrated drafter
 
 
-def test_the_choice_explores_every_tier_then_takes_the_best_rate():
-    tiers, depth = (4, 8, 16), 15
-    chooser = WidthChooser(tiers)
-    rng = np.random.default_rng(1)
-    seconds = {4: 1.0, 8: 1.1, 16: 2.5}  # the widest tier is slow: at p = 0.7, width 8 commits the most per second
+def _choose_rounds(chooser, clock, seconds, rounds, rng):
+    """The worker's order per round: settle, choose, start, (the round), record. Returns the widths chosen."""
     chosen = []
-    for _ in range(60):
+    for _ in range(rounds):
+        chooser.settle()
         w = chooser.choose(8, 800)
         chosen.append(w)
-        expected, accepted = _chain_round(rng, 8, depth, 0.7, 0.7)
-        chooser.record(w, 8, 800, 0.0, expected, accepted)
-        chooser.settle(ended=seconds[w])
+        clock.seconds = seconds[w]
+        _run_round(chooser, clock, w, rng)
+    return chosen
+
+
+def test_the_choice_explores_every_tier_then_takes_the_best_rate():
+    tiers = (4, 8, 16)
+    clock = _Clock()
+    chooser = WidthChooser(tiers, timer=clock)
+    seconds = {4: 1.0, 8: 1.1, 16: 2.5}  # the widest tier is slow: at p = 0.7, width 8 commits the most per second
+    chosen = _choose_rounds(chooser, clock, seconds, 60, np.random.default_rng(1))
     assert chosen[:6] == [4, 4, 8, 8, 16, 16]  # each tier: a warm-up round, then a timed one
     rate = {w: (1 + sum(0.7 ** d for d in range(1, w))) / seconds[w] for w in tiers}
     assert max(rate, key=rate.get) == 8
     assert set(chosen[10:]) == {8}
-    assert chooser.last["width"] == 8 and chooser.last["realised"] >= 1.0
+    assert chooser.last["width"] == 8 and chooser.last["realised"] >= 1.0 and chooser.last["round_ms"] == 1100.0
+
+
+def test_a_choice_sees_only_the_rounds_that_have_landed():
+    """Under overlap the round before is still on the device when the next width is chosen: nothing waits for
+    it. Rounds in flight are not folded in (a cell keeps exploring the same untimed tier), and once they land
+    they are folded in oldest first, each with its own width and time."""
+    tiers = (4, 8, 16)
+    clock = _Clock()
+    chooser = WidthChooser(tiers, timer=clock)
+    rng = np.random.default_rng(2)
+    clock.hold = True
+    chosen = _choose_rounds(chooser, clock, {4: 1.0, 8: 2.0, 16: 3.0}, 5, rng)
+    assert chosen == [4] * 5 and chooser.pending == 5 and chooser.last == {}  # nothing landed: still exploring 4
+    clock.land()
+    clock.hold = False
+    chooser.settle()
+    assert chooser.pending == 0 and chooser.last["width"] == 4 and chooser.last["round_ms"] == 1000.0
+    # the first landed round of the tier was the warm-up, the next four timed it
+    assert _choose_rounds(chooser, clock, {4: 1.0, 8: 2.0, 16: 3.0}, 4, rng) == [8, 8, 16, 16]
+
+
+def test_settle_folds_in_launch_order_and_stops_at_the_first_round_in_flight():
+    clock = _Clock()
+    chooser = WidthChooser((4, 8, 16), policy="cycle", timer=clock)
+    rng = np.random.default_rng(3)
+    _run_round(chooser, clock, 4, rng)  # landed
+    clock.hold = True
+    _run_round(chooser, clock, 8, rng)  # in flight
+    clock.hold = False
+    _run_round(chooser, clock, 16, rng)  # landed, but after one in flight
+    chooser.settle()
+    assert chooser.pending == 2 and chooser.last["width"] == 4
+    chooser.settle(wait=True)  # the round log's wait: everything, in order
+    assert chooser.pending == 0 and chooser.last["width"] == 16
 
 
 def test_one_tier_and_cycle():
@@ -234,14 +308,52 @@ def test_one_tier_and_cycle():
     expected, accepted = torch.full((2, 1), 3.0), torch.tensor([[0, 1, -1], [0, -1, -1]])
     pinned, logged = WidthChooser((65,)), WidthChooser((65,), log_stats=True)
     for chooser in (pinned, logged):
-        chooser.record(65, 2, 20, 0.0, expected, accepted)
-        chooser.settle(ended=0.5)
-    assert pinned.last == {} and logged.last["realised"] == 1.5 and logged.last["predicted_raw"] == 3.0
+        chooser.record(65, 2, 20, chooser.start(), expected, accepted)
+        chooser.settle()
+    assert pinned.start() is None and pinned.last == {}
+    assert logged.last["realised"] == 1.5 and logged.last["predicted_raw"] == 3.0 and logged.last["round_ms"] >= 0
     cyc = WidthChooser((16, 32, 48), policy="cycle")
     got = []
     for _ in range(5):
         got.append(cyc.choose(4, 100))
-        cyc.record(got[-1], 4, 100, 0.0, None, None)
+        cyc.record(got[-1], 4, 100, cyc.start(), None, None)
     assert got == [16, 32, 48, 16, 32]
     with pytest.raises(ValueError, match="SGLANG_KDTREE_WIDTH_POLICY"):
         WidthChooser((16,), policy="fastest")
+
+
+def test_the_device_timer_reuses_its_ring_and_a_retried_rounds_slot():
+    """The CUDA timer's bookkeeping, on stand-in events: a round that starts and never stops (it raised and was
+    retried) leaves its slot to the next start; a ring with every slot in flight measures nothing; a slot is
+    read once its end event has completed, and its time is the events' own."""
+    from sglang_kdtree.width_choice import DeviceTimer
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at, self.done = None, False
+
+        def record(self):
+            self.at, self.done = len(recorded), False
+            recorded.append(self)
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.at - self.at)
+
+    recorded = []
+    timer = DeviceTimer("cpu", 3, event=Event)
+    first = timer.start()
+    assert timer.start() == first  # the retry takes the same slot
+    tickets = [timer.stop(first, torch.ones(2, 3))] + [timer.stop(timer.start(), torch.ones(2, 3))
+                                                       for _ in range(DeviceTimer.RING - 1)]
+    assert sorted(tickets) == list(range(DeviceTimer.RING)) and timer.start() is None
+    assert not timer.ready(tickets[0])
+    for event in recorded:
+        event.done = True
+    assert timer.ready(tickets[0])
+    stats, seconds = timer.read(tickets[0])
+    assert stats == [[1.0] * 3] * 2 and seconds == 1.0  # from the retry's start (event 1) to its end (event 2)
+    assert timer.start() == tickets[0]

@@ -1,6 +1,6 @@
-"""CPU checks of the round's plumbing that the CUDA server relies on: device error flags end only the flagged
-requests (``round_faults.end_faulty_requests``), the commit helpers shared by both backends, the grow-only buffer
-rule and the round log's time split."""
+"""CPU checks of the round's plumbing that the CUDA server relies on: the commit helpers shared by both backends,
+the grow-only buffer rule, the round log's time split, allocation failures and the round's host lengths (the
+fault words: ``tests/test_deferred_faults.py``)."""
 
 from __future__ import annotations
 
@@ -10,112 +10,8 @@ import pytest
 import torch
 
 from sglang_kdtree import pipeline, round_faults
-from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_LOGPROB_NAN
 from sglang_kdtree.round_log import RoundMarks
 from sglang_kdtree.state import RoundShape
-
-
-def _fake_backend(tree_bits=0, commit_bits=0):
-    return types.SimpleNamespace(tree_errors=torch.tensor([tree_bits], dtype=torch.int32),
-                                 commit_errors=torch.tensor([commit_bits], dtype=torch.int32))
-
-
-def _batch(bs):
-    return types.SimpleNamespace(reqs=[types.SimpleNamespace(rid=f"r{b}", to_finish=None) for b in range(bs)])
-
-
-def _round(bs, req_bits=None, bad_plan_rows=(), nan_rows=()):
-    acc = types.SimpleNamespace(errors=torch.tensor(req_bits or [0] * bs, dtype=torch.int64))
-    src = torch.arange(bs * 3, dtype=torch.int64).view(bs, 3)
-    for b in bad_plan_rows:
-        src[b] = -1
-    plan = types.SimpleNamespace(src_slots=src)
-    logprobs = torch.log_softmax(torch.randn(bs, 2, 4), dim=-1)
-    logprobs[:, :, -1] = float("-inf")  # impossible tokens are legitimate, never a fault
-    for b in nan_rows:
-        logprobs[b, 1, 0] = float("nan")
-    return acc, plan, logprobs
-
-
-def test_clean_round_ends_nobody():
-    backend, batch = _fake_backend(), _batch(3)
-    round_faults.end_faulty_requests(backend, batch, *_round(3))
-    assert all(r.to_finish is None for r in batch.reqs)
-
-
-def test_per_request_accept_bits_end_only_that_request():
-    backend, batch = _fake_backend(), _batch(4)
-    round_faults.end_faulty_requests(backend, batch, *_round(4, req_bits=[0, 8, 0, 0]))
-    assert [r.to_finish is not None for r in batch.reqs] == [False, True, False, False]
-    message = batch.reqs[1].to_finish.message
-    assert "KDTREE" in message and "NaN in a visited target logits row" in message
-
-
-def test_draft_flag_is_traced_to_the_request_with_nan_logprobs_and_cleared():
-    backend, batch = _fake_backend(tree_bits=ERR_LOGPROB_NAN), _batch(3)
-    round_faults.end_faulty_requests(backend, batch, *_round(3, nan_rows=[2]))
-    assert [r.to_finish is not None for r in batch.reqs] == [False, False, True]
-    assert "draft: logprobs contains NaN" in batch.reqs[2].to_finish.message
-    assert int(backend.tree_errors[0]) == 0  # read once, reset for the next round
-
-
-def test_commit_flag_is_traced_to_the_invalid_plan_row():
-    backend, batch = _fake_backend(commit_bits=64), _batch(3)
-    round_faults.end_faulty_requests(backend, batch, *_round(3, bad_plan_rows=[0]))
-    assert [r.to_finish is not None for r in batch.reqs] == [True, False, False]
-    assert "commit:" in batch.reqs[0].to_finish.message and int(backend.commit_errors[0]) == 0
-
-
-def test_untraceable_flag_ends_the_whole_batch_rather_than_serving_wrong_tokens():
-    backend, batch = _fake_backend(commit_bits=128), _batch(2)
-    round_faults.end_faulty_requests(backend, batch, *_round(2))
-    assert all(r.to_finish is not None for r in batch.reqs)
-
-
-def test_reference_backend_isolates_a_faulty_request_and_leaves_the_others_bit_identical():
-    """NaN / +inf draft logits or NaN target logits in one request: the reference no longer raises (which
-    would stop the scheduler for every request); that request is marked, the others' results are exactly
-    those of a clean batch, and the worker then ends only the marked one."""
-    gen = torch.Generator().manual_seed(4)
-    bs, depth, vocab, budget = 3, 4, 50, 6
-    draft = torch.randn((bs, depth, vocab), generator=gen)
-    clean = pipeline.ReferenceBackend("cpu")
-    lp_c, ids_c = clean.topk(draft, budget)
-    roots = torch.tensor([1, 2, 3])
-    trees_c = clean.build(lp_c, ids_c, budget, roots)
-    target = torch.randn((bs, budget + 1, vocab), generator=gen)
-    acc_c = clean.accept_greedy(trees_c, target, depth)
-    assert int(clean.tree_errors) == 0 and acc_c.errors.tolist() == [0, 0, 0]
-
-    backend = pipeline.ReferenceBackend("cpu")
-    bad_draft = draft.clone()
-    bad_draft[1, 2, 7] = float("nan")
-    bad_draft[2, 0, 3] = float("inf")
-    lp, ids = backend.topk(bad_draft, budget)
-    assert int(backend.tree_errors) == ERR_LOGITS_NAN | ERR_LOGITS_POSINF  # the GPU top-K's bits
-    assert torch.equal(lp[0], lp_c[0]) and torch.equal(ids[0], ids_c[0])
-    assert bool(torch.isnan(lp[1]).all()) and bool(torch.isnan(lp[2]).all())
-    trees = backend.build(lp, ids, budget, roots)
-    for field in ("tokens", "parents", "num_nodes"):
-        assert torch.equal(getattr(trees, field)[0], getattr(trees_c, field)[0])
-
-    bad_target = target.clone()
-    bad_target[0, 3, 11] = float("nan")
-    acc = backend.accept_greedy(trees_c, bad_target, depth)
-    assert acc.errors.tolist() == [8, 0, 0]
-    for field in ("accepted", "accept_lens", "bonus", "committed"):
-        assert torch.equal(getattr(acc, field)[1:], getattr(acc_c, field)[1:]), field
-    sampled = backend.accept_sampled(trees_c, bad_target, torch.tensor([0.7, 0.7, 0.0]), torch.tensor([1, 2, 3]),
-                                     torch.tensor([10, 10, 10]), depth)
-    assert sampled.errors.tolist() == [8, 0, 0]
-
-    batch = _batch(bs)
-    plan = types.SimpleNamespace(src_slots=torch.zeros((bs, 2), dtype=torch.int64))
-    round_faults.end_faulty_requests(backend, batch, acc, plan, bad_draft)
-    assert [r.to_finish is not None for r in batch.reqs] == [True, True, True]  # 0: target, 1-2: draft
-    assert "NaN in a visited target logits row" in batch.reqs[0].to_finish.message
-    assert "draft: logits contains NaN" in batch.reqs[1].to_finish.message
-    assert int(backend.tree_errors) == 0
 
 
 def test_reference_gather_hidden_takes_the_accepted_rows_not_the_first_tau():
@@ -362,6 +258,7 @@ class _FakeRoundWorker:
         self.target_worker = types.SimpleNamespace(
             model_runner=types.SimpleNamespace(model_config=types.SimpleNamespace(hf_eos_token_id={2})))
         self.fail_times, self.calls = fail_times, []
+        self.deferred_faults = round_faults.DeferredFaults()
 
     def _tree_round(self, batch, on_publish):
         self.calls.append((batch.out_cache_loc, batch.spec_info))

@@ -30,7 +30,8 @@ class GpuBackend:
 
     Device error bits accumulate in ``tree_errors`` (``gpu.topk.TOPK_ERRORS``: draft log-probs, trees),
     ``commit_errors`` (``gpu.errors.DEVICE_ERRORS``: commit plan, KV compaction, hidden gather) and each accept
-    result's per-request ``errors``; the worker reads them once per round (``round_faults.end_faulty_requests``).
+    result's per-request ``errors``; the worker turns them into per-request fault words once per round
+    (``round_faults.device_fault_words``).
     """
 
     name = "gpu"

@@ -80,7 +80,8 @@ def server_env(extra: dict | None = None) -> dict:
     return env
 
 
-def base_server_args(model_path: Path, port: int) -> list[str]:
+def base_server_args(model_path: Path, port: int, overlap: bool = True) -> list[str]:
+    """``overlap``: SGLang's overlap scheduler, on by default as in SGLang (off: ``--disable-overlap-schedule``)."""
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -90,7 +91,7 @@ def base_server_args(model_path: Path, port: int) -> list[str]:
         "--sampling-backend", "pytorch",
         "--dtype", "float32",
         "--disable-cuda-graph",
-        "--disable-overlap-schedule",
+        *([] if overlap else ["--disable-overlap-schedule"]),
         "--mem-fraction-static", "0.05",
         "--max-total-tokens", "16384",
         "--max-running-requests", "32",
@@ -205,9 +206,9 @@ class Server:
 
 
 def start_server(model_path: Path, log_dir: Path, extra: list[str] | None = None, name: str = "server",
-                 env: dict | None = None) -> Server:
+                 env: dict | None = None, overlap: bool = True) -> Server:
     port = free_port()
-    args = base_server_args(model_path, port) + list(extra or [])
+    args = base_server_args(model_path, port, overlap) + list(extra or [])
     return Server(args, log_dir / f"{name}-{port}.log", env)
 
 
@@ -220,8 +221,9 @@ def server_logs(tmp_path_factory) -> Path:
 # the extended set, not CI's (tests/e2e/README.md).
 @pytest.fixture(scope="session", params=["llama", pytest.param("dsv3", marks=pytest.mark.extended)])
 def plain_server(request, tiny_models, server_logs):
-    """The target served without speculative decoding (the reference for exactness)."""
-    server = start_server(tiny_models / request.param, server_logs, name=f"plain-{request.param}")
+    """The target served without speculative decoding and without overlap scheduling (the reference for
+    exactness: the KDTREE servers, overlapped or not, must equal it)."""
+    server = start_server(tiny_models / request.param, server_logs, name=f"plain-{request.param}", overlap=False)
     server.wait_ready()
     server.model_name = request.param
     yield server

@@ -1,5 +1,7 @@
-"""End to end on the real SGLang server (CPU): ``--speculative-algorithm kdtree`` against the same target
-served without speculation, for the tiny Llama (MHA) and DeepSeek-V3 (MLA + MoE) targets.
+"""End to end on the real SGLang server (CPU): ``--speculative-algorithm kdtree`` on SGLang's overlap scheduler
+(its default) against the same target served without speculation and without overlap, for the tiny Llama (MHA)
+and DeepSeek-V3 (MLA + MoE) targets. ``test_server_no_overlap.py`` runs the greedy, sampling and fault tests
+again with ``--disable-overlap-schedule``.
 
 Servers are subprocesses on 127.0.0.1 (``conftest.py``); requests go over HTTP, concurrently, so the
 scheduler forms batches of requests with different prefix lengths that join and leave while running.
@@ -26,16 +28,18 @@ from server_requests import (ALPHA, BUDGET, LOGPROB_ATOL, NEW_TOKENS, PROMPTS, _
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def kdtree_server(plain_server, tiny_models, server_logs):
+def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True):
+    """A KDTREE server for ``plain_server``'s target, with its round log and fault-injection file; stopped (and
+    checked to stop cleanly) when the generator resumes."""
     name = plain_server.model_name
-    round_log = server_logs / f"rounds-{name}.jsonl"
+    tag = name if overlap else f"{name}-no-overlap"
+    round_log = server_logs / f"rounds-{tag}.jsonl"
     round_log.unlink(missing_ok=True)
-    faults = server_logs / f"faults-{name}.json"  # test-only fault injection: absent unless a test writes it
+    faults = server_logs / f"faults-{tag}.json"  # test-only fault injection: absent unless a test writes it
     faults.unlink(missing_ok=True)
     server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name),
-                          name=f"kdtree-{name}", env={"KDTREE_ROUND_LOG": str(round_log),
-                                                      "KDTREE_TEST_FAULTS": str(faults)})
+                          name=f"kdtree-{tag}", env={"KDTREE_ROUND_LOG": str(round_log),
+                                                     "KDTREE_TEST_FAULTS": str(faults)}, overlap=overlap)
     server.wait_ready()
     server.model_name = name
     server.round_log = round_log
@@ -48,6 +52,20 @@ def kdtree_server(plain_server, tiny_models, server_logs):
     assert time.time() - started < 60
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def kdtree_server(plain_server, tiny_models, server_logs):
+    yield from serve_kdtree(plain_server, tiny_models, server_logs)
+
+
+#: SGLang's startup warning for an algorithm registered with ``supports_overlap=False``
+DEPRECATED = "registered with supports_overlap=False"
+
+
+def test_the_server_overlaps_and_says_nothing_deprecated(kdtree_server, greedy_results):
+    assert "--disable-overlap-schedule" not in kdtree_server._args
+    assert DEPRECATED not in kdtree_server.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
