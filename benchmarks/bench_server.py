@@ -11,6 +11,8 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   defaults too (overlap on, as its users run it);
 * ``kdtree``: ``--speculative-algorithm kdtree`` with ``--speculative-num-draft-tokens budget+1``, no round
   log (its tokens/s); ``kdtree-B`` (e.g. ``kdtree-15``): the same at budget B (verify width B + 1);
+* ``...-overlap`` after a KDTREE kind (``kdtree-63-overlap``): the same on SGLang's overlap scheduler (the other
+  KDTREE kinds run with ``--disable-overlap-schedule``);
 * ``kdtree-auto``: no ``--speculative-num-draft-tokens``: the verify width chosen per round among ``--widths``
   (``sglang_kdtree.width_choice``); ``kdtree-auto-log``: the same with the round log, which gives the widths
   chosen and the predicted vs realised accept lengths per width (``widths`` in the JSON);
@@ -78,9 +80,14 @@ def _geometry(variant) -> tuple[int, int]:
     return int(block) - 1, int(target["vocab_size"])
 
 
+#: a KDTREE kind ending in this runs on SGLang's overlap scheduler (``kdtree-63-overlap``); the others without it
+OVERLAP_SUFFIX = "-overlap"
+
+
 def _kind_budget(kind: str, budget: int) -> int | None:
     """The node budget a KDTREE kind pins (``kdtree-15`` -> 15; other KDTREE kinds: ``budget``), None for
     ``kdtree-auto*`` (the width chosen per round)."""
+    kind = kind.removesuffix(OVERLAP_SUFFIX)
     tail = kind.split("-", 1)[1] if "-" in kind else ""
     if tail.startswith("auto"):
         return None
@@ -99,6 +106,8 @@ def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: boo
                 args += ["--speculative-num-draft-tokens", str(pinned + 1)]
             else:
                 args[i + 1] = str(pinned + 1)
+        if kind.endswith(OVERLAP_SUFFIX):
+            args.remove("--disable-overlap-schedule")
     else:
         if kind == "dflash":
             args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(variant.drafter)]

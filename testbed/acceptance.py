@@ -71,7 +71,8 @@ def kinds(budgets) -> list[str]:
 
 
 def budget_of(kind: str) -> int | None:
-    return int(kind.split("-", 1)[1]) if kind.startswith("kdtree-") else None
+    """``kdtree-63`` and ``kdtree-63-overlap`` (overlap scheduling on) -> 63; None for the baselines."""
+    return int(kind.split("-")[1]) if kind.startswith("kdtree-") else None
 
 
 def load_prompts(pair: Path, count: int | None) -> list[dict]:
