@@ -145,7 +145,20 @@ class ReferenceBackend:
         return self._t(lp), self._t(ids)
 
     def shard_topk(self, logits_shard, k, id_offset):
-        vals, ids, lse = reference.shard_topk_partials(_np(logits_shard.float()), k, id_offset)
+        """As ``reference.shard_topk_partials``; a row holding NaN / +inf sets its bits in ``tree_errors`` and is
+        computed with its finite values and NaN / +inf replaced by 0 (the worker traces the flag back to the
+        request through the draft logits). Its ``-inf`` columns stay ``-inf``: they include the shard's padding
+        past the vocabulary, which must never become a candidate token."""
+        x = _np(logits_shard.float())
+        flat = x.reshape(-1, x.shape[-1]) if x.ndim > 1 else x.reshape(1, -1)
+        bad = _faulty_requests(flat)
+        if bad.any():
+            flat = flat.copy()
+            rows = flat[bad != 0]
+            flat[bad != 0] = np.where(np.isneginf(rows), -np.inf, 0.0)
+            self.tree_errors |= int(np.bitwise_or.reduce(bad))
+            x = flat.reshape(x.shape)
+        vals, ids, lse = reference.shard_topk_partials(x, k, id_offset)
         return self._t(vals), self._t(ids), self._t(lse)
 
     def merge_topk(self, vals, ids, lse, k):

@@ -116,6 +116,16 @@ def _depth_reach(trees) -> list | None:
     return [round(x, 5) for x in by_depth_cpu[1:].tolist()]
 
 
+def _tp_rank() -> int:
+    """This process's tensor-parallel rank; 0 where no server has published one (a round run outside a server)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().tp_rank)
+    except RuntimeError:  # SGLang's context refuses to read a name no one has written
+        return 0
+
+
 def write_round_record(path: str, backend, device, acc, verify, trees, marks: RoundMarks, graph: bool,
                        width: dict | None = None, tiers: dict | None = None) -> None:
     """Append this round's record to ``path`` (one JSON line):
@@ -140,7 +150,9 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
       against SGLang's MLA path on the same routed calls so far (``sglang_kdtree/patches/mla_tree_verify.check_stats``);
     * ``ms``: the round's time split (CUDA events, or host clock on CPU): ``draft``, ``tree`` (top-K, tree,
       verify inputs, SGLang's verify preparation), ``verify`` (target forward), ``accept_commit`` (accept,
-      KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock.
+      KV commit, drafter features); ``steps``: the same per step, on the device and on the host clock;
+    * ``tp_rank``: the tensor-parallel rank that wrote the record (every rank runs the round and appends its own
+      record to the same file).
     """
     lens, siblings = _sibling_accepts(acc, verify)
     record = {"accept_lens": lens, "sibling_accepts": siblings, "num_nodes": trees.num_nodes.to("cpu").tolist(),
@@ -165,6 +177,7 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
     except ImportError:  # pragma: no cover - patches ship with the package
         marlin_moe = None
     record["marlin_routed"] = getattr(marlin_moe, "routed_calls", 0)
+    record["tp_rank"] = _tp_rank()
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 

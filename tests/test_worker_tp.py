@@ -55,3 +55,27 @@ def test_single_process_world_needs_no_communication():
     expected_lp, expected_ids = reference.topk_logprobs(full, 8)
     np.testing.assert_array_equal(ids.numpy(), expected_ids)
     np.testing.assert_allclose(logprobs.numpy(), expected_lp, rtol=0, atol=2e-6)
+
+
+def test_a_faulty_row_in_one_shard_is_flagged_not_raised():
+    """NaN / +inf in one row of one rank's shard (the per-request draft fault of a TP server): ``shard_topk`` sets
+    the GPU top-K's fault bits in ``tree_errors`` instead of raising (which would stop the server), the other
+    rows' merged result equals the unsharded reference exactly, and the faulty row's candidates are finite real
+    ids: the shard's ``-inf`` padding past the vocabulary never becomes one."""
+    from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF
+
+    rows, shard, real, k = 4, 16, 13, 8  # each shard: 13 real columns, then 3 of padding
+    full = _logits(rows, 2 * shard, 5)
+    full[:, real:shard] = full[:, shard + real:] = -np.inf
+    full[2, shard + 4] = np.nan
+    full[3, 1] = np.inf
+    backend = ReferenceBackend("cpu")
+    parts = [backend.shard_topk(torch.from_numpy(full[:, r * shard:(r + 1) * shard].copy()), k, r * shard)
+             for r in range(WORLD)]
+    assert int(backend.tree_errors) == ERR_LOGITS_NAN | ERR_LOGITS_POSINF
+    logprobs, ids = backend.merge_topk(*(torch.stack([p[i] for p in parts]) for i in range(3)), k)
+    expected_lp, expected_ids = reference.topk_logprobs(full[:2], k)
+    np.testing.assert_array_equal(ids[:2].numpy(), expected_ids)
+    np.testing.assert_allclose(logprobs[:2].numpy(), expected_lp, rtol=0, atol=2e-6)
+    assert np.isfinite(logprobs.numpy()).all()
+    assert (ids.numpy() % shard < real).all()
