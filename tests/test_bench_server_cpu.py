@@ -49,7 +49,12 @@ def test_baselines_run_at_sglang_defaults_and_kdtree_kinds_pin_or_choose_the_wid
     for kind, width in (("kdtree-15", "16"), ("kdtree-63", "64"), ("kdtree-log", "65")):
         args = bench._args_for(kind, variant, 1, budget=64)
         assert args[args.index("--speculative-num-draft-tokens") + 1] == width
-        assert "--disable-overlap-schedule" in args  # KDTREE keeps it until it supports overlap
+        assert "--disable-overlap-schedule" in args  # the plain KDTREE kinds are the non-overlap side of the A/B
+    for kind, width in (("kdtree-63-overlap", "64"), ("kdtree-auto-overlap", None)):
+        args = bench._args_for(kind, variant, 1, budget=64)
+        assert "--disable-overlap-schedule" not in args and args[args.index("--speculative-algorithm") + 1] == "kdtree"
+        assert (args[args.index("--speculative-num-draft-tokens") + 1] if width else
+                "--speculative-num-draft-tokens" not in args) == (width or True)
     auto = bench._args_for("kdtree-auto", variant, 1, budget=64)
     assert "--speculative-num-draft-tokens" not in auto and auto[auto.index("--speculative-algorithm") + 1] == "kdtree"
     started = []
