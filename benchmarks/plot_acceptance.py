@@ -2,13 +2,16 @@
 
     python -m benchmarks.plot_acceptance ACCEPTANCE.json OUT_DIR
 
-* ``OUT_DIR/acceptance_tau.png``: KDTREE's tau (SGLang's ``spec_accept_length``, mean over requests) against the
+* ``OUT_DIR/acceptance_tau.png``: KDTREE's tau (pooled: completion tokens over verify rounds, as ``kimi_round`` takes it) against the
   pinned node budget, one panel per temperature, DFLASH's tau as a horizontal line (left out, and said so, where
   its server fell back to greedy verification at T > 0);
 * ``OUT_DIR/acceptance_calibration.png``: the drafter's calibration from the KDTREE round logs: per tree cut
   (one point per budget and temperature), its predicted accept length against the realised one, the diagonal
   being a calibrated drafter; and per depth, its probability of reaching the depth against the share of
   request-rounds that did, one line per budget, one panel per temperature.
+
+* with ``--training METADATA`` (the pair's ``metadata.json``), ``OUT_DIR/pair_training.png``: the target's and
+  the drafter's training and held-out losses against the step, and the drafter's held-out depth-1 accuracy.
 
 Every figure carries the run's command and commit. Needs matplotlib (exit 2 and a message without it, as
 ``plot_kimi_round.py``); a file that is not an acceptance report exits 2 too.
@@ -48,8 +51,8 @@ def tau_series(rep: dict) -> list[dict]:
     out = []
     for t in temps:
         key = f"{t:g}"
-        pts = [(b, s["phases"][key]["tau"]) for b, s in _kdtree(servers)
-               if (s.get("phases", {}).get(key) or {}).get("tau") is not None]
+        pts = [(b, s["phases"][key]["tau_pooled"]) for b, s in _kdtree(servers)
+               if (s.get("phases", {}).get(key) or {}).get("tau_pooled") is not None]
         dflash, note = None, None
         d = servers.get("dflash") or {}
         phase = (d.get("phases") or {}).get(key) or {}
@@ -57,8 +60,8 @@ def tau_series(rep: dict) -> list[dict]:
             note = "DFLASH did not serve (acceptance.json says why)"
         elif phase.get("sampling_preserved") is False:
             note = "DFLASH left out: its server fell back to greedy verification"
-        elif phase.get("tau") is not None:
-            dflash = phase["tau"]
+        elif phase.get("tau_pooled") is not None:
+            dflash = phase["tau_pooled"]
         out.append({"temperature": t, "budgets": [b for b, _ in pts], "tau": [x for _, x in pts], "dflash": dflash,
                     "dflash_note": note})
     return out
@@ -148,10 +151,54 @@ def plot_calibration(rep: dict, cal: dict, out_png: Path, plt) -> None:
     plt.close(fig)
 
 
+def training_series(meta: dict) -> dict:
+    """``metadata.json`` -> per model (target, drafter): steps, train and held-out losses (None where a point has
+    none), and the drafter's held-out depth-1 accuracy. PlotError without both curves."""
+    out = {}
+    for name in ("target", "drafter"):
+        curve = (meta.get(name) or {}).get("curve")
+        if not curve:
+            raise PlotError(f"no {name} curve (is it the pair's metadata.json?)")
+        out[name] = {k: [p.get(src) for p in curve] for k, src in
+                     (("step", "step"), ("train", "train_loss"), ("heldout", "heldout_loss"),
+                      ("acc1", "heldout_acc_depth1"))}
+    return out
+
+
+def plot_training(meta: dict, series: dict, out_png: Path, plt) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, name in zip(axes, ("target", "drafter")):
+        c = series[name]
+        for key, style, label in (("train", "-", "training batch"), ("heldout", "o-", "held-out")):
+            pts = [(s, v) for s, v in zip(c["step"], c[key]) if v is not None and v == v and s > 0]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        m = meta[name]
+        last = next((v for v in reversed(c["heldout"]) if v is not None), float("nan"))
+        ax.set_title(f"{name}: {m.get('architecture', '')}, {m.get('params', 0) / 1e6:.1f} M parameters, "
+                     f"held-out loss {m.get('heldout_loss', last):.3f}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats per token)")
+        ax.grid(alpha=0.3)
+        if name == "drafter" and any(a is not None for a in c["acc1"]):
+            acc = ax.twinx()
+            acc.plot(c["step"], c["acc1"], "s--", color="tab:green", label="held-out depth-1 accuracy")
+            acc.set_ylabel("depth-1 accuracy")
+            acc.legend(fontsize=8, loc="center right")
+        ax.legend(fontsize=8, loc="upper center")
+    fig.suptitle("testbed pair: training curves")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.text(0.005, 0.005, f"python -m testbed.build_pair ({meta.get('preset')}, seed {meta.get('seed')}, "
+             f"{meta.get('device')})  |  commit {str(meta.get('commit'))[:12]}", fontsize=6, color="0.35")
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plot_acceptance", description=__doc__.split("\n\n")[0])
     p.add_argument("json", help="testbed.acceptance's acceptance.json")
     p.add_argument("out", type=Path, help="folder for acceptance_tau.png and acceptance_calibration.png")
+    p.add_argument("--training", default=None, metavar="METADATA", help="the pair's metadata.json: pair_training.png")
     args = p.parse_args(argv)
     plt = pyplot("plot_acceptance", "the same figures are in acceptance.json and the run's table")
     if plt is None:
@@ -163,10 +210,19 @@ def main(argv=None) -> int:
     except (OSError, ValueError, PlotError) as exc:
         print(f"plot_acceptance: cannot use {args.json}: {exc}", file=sys.stderr)
         return 2
+    try:
+        meta = json.loads(Path(args.training).read_text()) if args.training else None
+        training = training_series(meta) if args.training else None
+    except (OSError, ValueError, PlotError) as exc:
+        print(f"plot_acceptance: cannot use {args.training}: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     plot_tau(rep, series, args.out / "acceptance_tau.png", plt)
     plot_calibration(rep, cal, args.out / "acceptance_calibration.png", plt)
     print(f"plot_acceptance: wrote {args.out / 'acceptance_tau.png'} and {args.out / 'acceptance_calibration.png'}")
+    if training:
+        plot_training(meta, training, args.out / "pair_training.png", plt)
+        print(f"plot_acceptance: wrote {args.out / 'pair_training.png'}")
     return 0
 
 

@@ -28,7 +28,7 @@ through the end-of-file token), ``--at-once`` servers at a time, requests concur
   per depth the drafter's probability of reaching it (``depth_reach``) against the share of request-rounds
   that did;
 * ``identity``: per speculative server, its greedy output against plain's, prompt by prompt;
-* ``curve`` / ``dflash``: greedy tau by budget and DFLASH's, in the form ``python -m benchmarks.kimi_round
+* ``curve`` / ``dflash``: greedy pooled tau by budget and DFLASH's, in the form ``python -m benchmarks.kimi_round
   --tau-curve-json`` reads (``curve_t1`` / ``dflash_t1`` at T = 1);
 * a DFLASH phase at T > 0 is marked ``sampling_preserved: false`` when its log says SGLang fell back to greedy
   verification (no ``tree_speculative_sampling_target_only``: the CUDA stand-in lacks FlashInfer).
@@ -262,16 +262,18 @@ def phase_key(temperature: float) -> str:
 
 
 def curves(servers: dict, temperature: float) -> tuple[dict, float | None]:
-    """``{budget: tau}`` of the KDTREE servers and DFLASH's tau at ``temperature`` (SGLang's ``tau``); a
-    DFLASH phase that did not preserve the sampling distribution gives None."""
+    """``{budget: tau}`` of the KDTREE servers and DFLASH's tau at ``temperature``, pooled (tokens over verify
+    rounds, what a round-time model multiplies by: the mean over requests weights a looping request's few long
+    rounds as much as another's many short ones); a DFLASH phase that did not preserve the sampling distribution
+    gives None."""
     key = phase_key(temperature)
     curve = {}
     for kind, s in servers.items():
         phase = s.get("phases", {}).get(key)
-        if budget_of(kind) is not None and phase and phase.get("tau") is not None:
-            curve[str(budget_of(kind))] = phase["tau"]
+        if budget_of(kind) is not None and phase and phase.get("tau_pooled") is not None:
+            curve[str(budget_of(kind))] = phase["tau_pooled"]
     phase = servers.get("dflash", {}).get("phases", {}).get(key)
-    dflash = phase.get("tau") if phase and phase.get("sampling_preserved", True) else None
+    dflash = phase.get("tau_pooled") if phase and phase.get("sampling_preserved", True) else None
     return dict(sorted(curve.items(), key=lambda kv: int(kv[0]))), dflash
 
 

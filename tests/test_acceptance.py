@@ -130,7 +130,8 @@ def test_identity_counts_and_lists_mismatches():
 
 def _servers(dflash_t1_preserved=False):
     def phase(tau, rounds=None, **kw):
-        return {"tau": tau, "tau_pooled": tau, "rounds": rounds, **kw}
+        # the mean over requests set apart from the pooled tau, which the curves and plots must use
+        return {"tau": None if tau is None else tau + 1.0, "tau_pooled": tau, "rounds": rounds, **kw}
 
     rounds = {"tau": 6.0, "predicted_raw": 6.5, "realised": 6.0, "sibling_share": 0.1,
               "depth": {"predicted": [0.9, 0.7], "realised": [0.8, 0.6]}}
@@ -166,8 +167,8 @@ def test_report_curves_and_identity():
     assert _report(dflash_t1_preserved=True)["dflash_t1"] == 4.9
     table = acc.format_table(rep)
     assert "| kdtree-255 | | not served: boom |" in table
-    assert "| kdtree-63 | 0 | 6.200 | 6.200 | 6.000 | 6.500 | 6.000 | 0.100 | 1/2 |" in table
-    assert "| dflash | 1 | 4.900 (greedy-verify fallback) |" in table
+    assert "| kdtree-63 | 0 | 7.200 | 6.200 | 6.000 | 6.500 | 6.000 | 0.100 | 1/2 |" in table
+    assert "| dflash | 1 | 5.900 (greedy-verify fallback) |" in table
     assert "| kdtree-127 | 0 | skipped: deadline |" in table
 
 
@@ -212,3 +213,26 @@ def test_plot_without_matplotlib_says_so(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert pa.main([str(tmp_path / "acceptance.json"), str(Path(tmp_path) / "png")]) == 2
     assert "matplotlib is not importable" in capsys.readouterr().err
+
+
+def test_training_curves_from_the_pairs_metadata(tmp_path, capsys):
+    meta = {"preset": "tiny", "seed": 0, "device": "cpu", "commit": "abc",
+            "target": {"architecture": "LlamaForCausalLM", "params": 1e6, "heldout_loss": 3.0,
+                       "curve": [{"step": 0, "train_loss": float("nan"), "heldout_loss": 8.3},
+                                 {"step": 50, "train_loss": 5.0, "heldout_loss": 5.5}]},
+            "drafter": {"architecture": "DFlashDraftModel", "params": 1e5,
+                        "curve": [{"step": 0, "heldout_loss": 20.0, "heldout_acc_depth1": 0.0},
+                                  {"step": 10, "train_loss": 2.0, "heldout_loss": 2.5, "heldout_acc_depth1": 0.4}]}}
+    series = pa.training_series(meta)
+    assert series["target"]["heldout"] == [8.3, 5.5] and series["drafter"]["acc1"] == [0.0, 0.4]
+    assert series["drafter"]["train"] == [None, 2.0]
+    with pytest.raises(pa.PlotError, match="no drafter curve"):
+        pa.training_series({"target": meta["target"]})
+    (tmp_path / "acceptance.json").write_text(json.dumps(_report()))
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    pytest.importorskip("matplotlib")
+    assert pa.main([str(tmp_path / "acceptance.json"), str(tmp_path / "png"),
+                    "--training", str(tmp_path / "metadata.json")]) == 0
+    assert (tmp_path / "png" / "pair_training.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text("{}")
+    assert pa.main([str(tmp_path / "acceptance.json"), str(tmp_path / "png"), "--training", str(tmp_path / "bad.json")]) == 2
