@@ -13,7 +13,10 @@
 # Knobs: PAIR (default .pair), DEADLINE (s, default 480: the table prints before it), PROMPTS (default all 256),
 #   NEW_TOKENS (default 448: the prompt's 64 plus 448 is the length the drafter was trained on), BUDGETS (default
 #   "15 31 63 127 255"), TEMPERATURES (default "0 1"), DTYPE (default float32: greedy identity then tests the round,
-#   not bf16 near-ties), ACC_ARGS (more testbed.acceptance options).
+#   not bf16 near-ties), ACC_ARGS (more testbed.acceptance options), TRITON_F32_DEFAULT (default ieee: SGLang's
+#   Triton attention otherwise multiplies float32 in TF32, and its verify (extend) and decode kernels then differ by
+#   more than the near ties of this target's greedy text; with ieee the servers take about 3-4 minutes to start
+#   here, so keep DEADLINE at 480 or more).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-480}
@@ -33,6 +36,7 @@ step() {
 }
 
 PAIR=${PAIR:-.pair}
+export TRITON_F32_DEFAULT=${TRITON_F32_DEFAULT:-ieee}
 if [ -d .dev-carry/whl ]; then WHEELS=(.dev-carry/whl/*.whl); else WHEELS=(.whl/*.whl .whl-server/*.whl); fi
 step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
