@@ -281,6 +281,25 @@ def device_fault_words(backend, acc, plan, draft_logits) -> torch.Tensor:
     return words
 
 
+def union_over_ranks(words: torch.Tensor, group=None) -> torch.Tensor:
+    """``device_fault_words`` OR-ed over the tensor-parallel ``group``, on the device (an all-gather of the
+    ``[bs, 3]`` words, no host read).
+
+    Each rank traces draft faults on its own vocabulary shard of the draft logits, so the ranks' words can differ
+    (a NaN in one shard); every rank must end the same requests, or their schedulers fall out of step."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return words
+    parts = [torch.empty_like(words) for _ in range(world)]
+    dist.all_gather(parts, words.contiguous(), group=group)
+    out = parts[0]
+    for part in parts[1:]:
+        out = out | part
+    return out
+
+
 def fault_messages(accept_bits: int, draft_bits: int, commit_bits: int) -> list[str]:
     """What a request's fault word says, per fault (accept faults as they are, then ``draft:`` and ``commit:``)."""
     from sglang_kdtree.gpu.errors import TREE_ERRORS, describe_device_error

@@ -257,3 +257,19 @@ class DeviceTimer:
         out = host.tolist(), begin.elapsed_time(end) / 1e3
         self._free.append(slot)
         return out
+
+
+def agreed_width(width: int, group) -> int:
+    """Rank 0's width, on every rank of the tensor-parallel ``group`` (a CPU / gloo process group).
+
+    Under TP every rank runs the same verify forward, so all must verify the same width. Each rank's chooser sees
+    its own round times and, under overlap, its own set of settled rounds, so left alone the ranks could choose
+    differently and their collectives would no longer match. A broadcast of one int64 between host processes; no
+    device is involved."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:
+        return width
+    choice = torch.tensor([width], dtype=torch.int64)
+    dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
+    return choice.tolist()[0]

@@ -70,7 +70,7 @@ from sglang_kdtree.round_log import RoundMarks
 from sglang_kdtree.spec_logprobs import round_logprobs
 from sglang_kdtree.state import RoundShape
 from sglang_kdtree.verify_tiers import VerifyTiers, server_tiers
-from sglang_kdtree.width_choice import POLICY_ENV, WidthChooser
+from sglang_kdtree.width_choice import POLICY_ENV, WidthChooser, agreed_width
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,14 @@ class KDTreeWorker(DFlashWorkerV2):
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
         self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device,
                                     log_stats=self._round_log is not None)
+        # under TP every rank ends the same faulty requests and verifies the same width (rank 0's when the choice
+        # depends on timings); None: one rank, or a choice every rank makes alike
+        from sglang.srt.runtime_context import get_parallel
+
+        tp_group = get_parallel().tp_group if get_parallel().tp_size > 1 else None
+        self._tp_fault_group = tp_group.device_group if tp_group is not None else None
+        self._tp_width_group = (tp_group.cpu_group if tp_group is not None and self.chooser.policy == "auto"
+                                and len(self.chooser.tiers) > 1 else None)
         self.verify_tiers = None  # built once the target's own verify backend and graphs exist (init_cuda_graphs)
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None
@@ -258,7 +266,10 @@ class KDTreeWorker(DFlashWorkerV2):
         prefix_lens = batch.seq_lens.to(torch.int64)
         prefix_cpu, prefix_sum = host_prefix_lens(batch, check=self._check_host_lens)
         self.chooser.settle()  # the earlier rounds whose statistics have landed; nothing waits for the others
-        shape = self.geometry.shape(self.chooser.choose(len(prefix_cpu), prefix_sum))
+        width = self.chooser.choose(len(prefix_cpu), prefix_sum)
+        if self._tp_width_group is not None:
+            width = agreed_width(width, self._tp_width_group)
+        shape = self.geometry.shape(width)
         started = self.chooser.start()
         rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
                      RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
@@ -433,6 +444,8 @@ class KDTreeWorker(DFlashWorkerV2):
         rnd.marks.mark("accept_commit")
         self.chooser.record(rnd.width, rnd.bs, rnd.prefix_sum, rnd.started, step.expected, acc.accepted)
         fault_words = round_faults.device_fault_words(self.backend, acc, commit, step.draft_logits)
+        if self._tp_fault_group is not None:
+            fault_words = round_faults.union_over_ranks(fault_words, self._tp_fault_group)
         if self._round_log is not None:
             self.chooser.settle(wait=True)  # the record names this round's width: diagnostics may wait
             round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,

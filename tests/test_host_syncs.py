@@ -44,6 +44,8 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
         (1, "a pinned host copy read only once its end event has completed (settle checks ready()): no wait"),
     ("width_choice.py", "DeviceTimer.wait", ".synchronize()"):
         (1, "only settle(wait=True), which only the round log calls (diagnostics, KDTREE_ROUND_LOG)"),
+    ("width_choice.py", "agreed_width", ".tolist()"):
+        (1, "TP > 1, automatic width: a CPU tensor of a gloo broadcast between the ranks' host processes, no device"),
     ("width_choice.py", "HostTimer.read", ".tolist()"):
         (1, "a host tensor: the CPU server's statistics never left the host"),
     # seeded prefill (T > 0 requests with sampling_seed, outside deterministic mode)

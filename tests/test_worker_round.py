@@ -354,6 +354,7 @@ def _round_start_worker():
     worker.backend, worker.device = pipeline.ReferenceBackend("cpu"), "cpu"
     worker.chooser = WidthChooser(worker.geometry.tiers)
     worker._round_log, worker._mark_events, worker._check_host_lens = None, [], False
+    worker._tp_width_group = worker._tp_fault_group = None  # one rank
     return worker
 
 
