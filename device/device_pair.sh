@@ -18,22 +18,10 @@
 #   more than the near ties of this target's greedy text; with ieee the servers take about 3-4 minutes to start
 #   here, so keep DEADLINE at 480 or more).
 set -uo pipefail
-START=$(date +%s)
 DEADLINE=${DEADLINE:-480}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOGS=/tmp/device_pair_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT (8 files come back)
-: > "$OUT/steps.txt"
-left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $LOGS/NAME.log
-step() {
-  local name=$1 cap=$2; shift 2
-  local budget; budget=$(left); [ "$cap" -gt "$budget" ] && cap=$budget
-  [ "$cap" -le 0 ] && { echo "$name SKIPPED (no time left)" >> "$OUT/steps.txt"; return 124; }
-  local t0; t0=$(date +%s)
-  timeout --kill-after=10 "$cap" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
-  return $rc
-}
+LOGS=/tmp/device_pair_logs
+# shellcheck source=device/steps.sh
+source "$(dirname "$0")/steps.sh"
 
 PAIR=${PAIR:-.pair}
 export TRITON_F32_DEFAULT=${TRITON_F32_DEFAULT:-ieee}

@@ -34,22 +34,10 @@
 #   the servers would get under 120 s to start, which they need here; otherwise those are skipped), KIMI_ROUND=1
 #   (python -m benchmarks.kimi_round on GPU 0 after the tests / probe, within what is left of the deadline).
 set -uo pipefail
-START=$(date +%s)
 DEADLINE=${DEADLINE:-575}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOGS=/tmp/device_server_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT (8 files come back)
-: > "$OUT/steps.txt"
-left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-# step NAME CAP_SECONDS CMD...: run CMD with at most CAP seconds (and never past the deadline), log to $LOGS/NAME.log
-step() {
-  local name=$1 cap=$2; shift 2
-  local budget; budget=$(left); [ "$cap" -gt "$budget" ] && cap=$budget
-  [ "$cap" -le 0 ] && { echo "$name SKIPPED (no time left)" >> "$OUT/steps.txt"; return 124; }
-  local t0; t0=$(date +%s)
-  timeout --kill-after=5 "$cap" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
-  return $rc
-}
+LOGS=/tmp/device_server_logs
+# shellcheck source=device/steps.sh
+source "$(dirname "$0")/steps.sh"
 
 # .dev-carry (device/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
 if [ -d .dev-carry/whl ]; then
