@@ -106,7 +106,12 @@ def plot_tau(rep: dict, series: list[dict], out_png: Path, plt) -> None:
                      + ("\n" + c["dflash_note"] if c["dflash_note"] else ""), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("testbed pair: accept length against the tree budget")
+    _finish(fig, "testbed pair: accept length against the tree budget", rep, out_png, plt)
+
+
+def _finish(fig, title: str, rep: dict, out_png: Path, plt) -> None:
+    """Title, layout, the run's command and commit at the foot, saved and closed."""
+    fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     _stamp(fig, rep)
     fig.savefig(out_png, dpi=120)
@@ -144,11 +149,7 @@ def plot_calibration(rep: dict, cal: dict, out_png: Path, plt) -> None:
                            "drafter)", fontsize=9)
         depth_ax.legend(fontsize=6, ncol=2)
         depth_ax.grid(alpha=0.3)
-    fig.suptitle("testbed pair: the drafter's predicted vs realised acceptance")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    _stamp(fig, rep)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    _finish(fig, "testbed pair: the drafter's predicted vs realised acceptance", rep, out_png, plt)
 
 
 def training_series(meta: dict) -> dict:
