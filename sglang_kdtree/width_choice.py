@@ -90,6 +90,12 @@ class WidthChooser:
             timer = DeviceTimer(self.device, t) if self.device.type == "cuda" and self.keep_stats else HostTimer()
         self._timer = timer
 
+    @property
+    def per_rank(self) -> bool:
+        """Whether the choice depends on this process's own round times (automatic, several tiers), so ranks of
+        one TP group could choose differently; a single tier or ``cycle`` is chosen alike everywhere."""
+        return self.policy == "auto" and len(self.tiers) > 1
+
     # -- estimates -------------------------------------------------------------------------------------------
 
     def calibration(self) -> list:

@@ -167,8 +167,7 @@ class KDTreeWorker(DFlashWorkerV2):
 
         tp_group = get_parallel().tp_group if get_parallel().tp_size > 1 else None
         self._tp_fault_group = tp_group.device_group if tp_group is not None else None
-        self._tp_width_group = (tp_group.cpu_group if tp_group is not None and self.chooser.policy == "auto"
-                                and len(self.chooser.tiers) > 1 else None)
+        self._tp_width_group = tp_group.cpu_group if tp_group is not None and self.chooser.per_rank else None
         self.verify_tiers = None  # built once the target's own verify backend and graphs exist (init_cuda_graphs)
         self._mark_events: list = []  # RoundMarks' CUDA events, reused every round
         self._dump_prefix = os.environ.get(round_log.DUMP_ENV) or None

@@ -243,17 +243,24 @@ def round_summary(records: list[dict]) -> dict | None:
     }
 
 
+def first_difference(x: list, y: list) -> int | None:
+    """The first index where two token lists differ, ``min(len)`` when one is a prefix of the other, None when
+    they are equal."""
+    if x == y:
+        return None
+    return next((k for k, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+
+
 def identity(reference: list[dict], other: list[dict]) -> dict:
     """Prompt by prompt, ``other``'s output ids against ``reference``'s: the mismatch count and the first
     ``LISTED_MISMATCHES`` mismatches with the first differing index."""
     listed, count = [], 0
     for i, (a, b) in enumerate(zip(reference, other)):
-        x, y = a["output_ids"], b["output_ids"]
-        if x != y:
+        index = first_difference(a["output_ids"], b["output_ids"])
+        if index is not None:
             count += 1
             if len(listed) < LISTED_MISMATCHES:
-                listed.append({"prompt": i, "index": next((k for k, (s, t) in enumerate(zip(x, y)) if s != t),
-                                                          min(len(x), len(y)))})
+                listed.append({"prompt": i, "index": index})
     return {"prompts": min(len(reference), len(other)), "mismatches": count, "listed": listed}
 
 

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from testbed.acceptance import first_difference
+
 
 def divergences(outputs: dict, reference: str = "plain@T=0") -> dict:
-    """``{(prompt, position, reference token, other token): [kinds]}`` over every ``KIND@T=0`` but the reference."""
+    """``{(prompt, position, reference token, other token): [kinds]}`` over every ``KIND@T=0`` but the reference
+    (an output that only stops earlier or later has no token pair to check, and is left out)."""
     ref = [r["output_ids"] for r in outputs[reference]]
     found: dict = {}
     for key, results in outputs.items():
@@ -32,8 +35,8 @@ def divergences(outputs: dict, reference: str = "plain@T=0") -> dict:
             continue
         for i, (a, r) in enumerate(zip(ref, results)):
             b = r["output_ids"]
-            j = next((k for k, (s, t) in enumerate(zip(a, b)) if s != t), None)
-            if j is not None:
+            j = first_difference(a, b)
+            if j is not None and j < min(len(a), len(b)):
                 found.setdefault((i, j, a[j], b[j]), []).append(key.split("@")[0])
     return found
 

@@ -19,6 +19,8 @@ def test_divergences_group_servers_by_prompt_position_and_tokens():
                "kdtree-15@T=1": [_res([0]), _res([0]), _res([0])]}  # sampled: not a greedy comparison
     assert nt.divergences(outputs) == {(0, 1, 2, 9): ["dflash", "kdtree-15"], (1, 2, 6, 2): ["kdtree-15"]}
     assert nt.divergences({"plain@T=0": [_res([1])], "kdtree-63@T=0": [_res([1])]}) == {}
+    # an output that only stops earlier has no token pair to check
+    assert nt.divergences({"plain@T=0": [_res([1, 2])], "kdtree-63@T=0": [_res([1])]}) == {}
 
 
 def test_logit_gap_is_the_models_own_float64_logits():
