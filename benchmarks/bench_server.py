@@ -51,8 +51,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the CUDA harness, and this package
 import cuda_servers  # noqa: E402
+
+from benchmarks import idle_gaps  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
@@ -356,6 +359,10 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default=None, help="kdtree-auto*: SGLANG_KDTREE_VERIFY_WIDTHS (default: the plugin's)")
     ap.add_argument("--baselines-no-overlap", action="store_true",
                     help="plain and DFLASH with --disable-overlap-schedule (default: SGLang's default, overlap on)")
+    ap.add_argument("--idle-steps", type=int, default=0,
+                    help="after the timing, profile this many decode steps per server at each --idle-batches size "
+                         "and report the GPU's idle time between rounds (benchmarks/idle_gaps.py; default 0: off)")
+    ap.add_argument("--idle-batches", type=int, nargs="+", default=[1, 32], help="batch sizes of the idle trace")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]
@@ -366,6 +373,9 @@ def main(argv=None) -> int:
             print(f"{name} failed to start:\n{err}", file=sys.stderr)
             servers.pop(name)
         table = measure(servers, args.batches, args.new_tokens, args.repeats)
+        idle = idle_gaps.trace_servers(
+            servers, args.idle_batches, args.idle_steps, max(512, 8 * args.new_tokens), args.out / "traces",
+            lambda bs: cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]) if args.idle_steps else {}
     finally:
         for server in servers.values():
             server.stop()
@@ -373,9 +383,12 @@ def main(argv=None) -> int:
     (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
                                                      "widths": args.widths, "new_tokens": args.new_tokens,
                                                      "baselines_overlap": not args.baselines_no_overlap,
-                                                     "gc_frozen": gc_frozen, "table": table}, indent=1))
+                                                     "gc_frozen": gc_frozen, "table": table,
+                                                     "idle": idle}, indent=1))
     depths, vocab = _geometry(variant)
     print(format_table(table, depths, vocab))
+    if idle:
+        print("GPU idle time between rounds (profiled decode window):\n" + idle_gaps.format_table(idle))
     unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)
     print("garbage collector frozen after startup (as after SGLang's warm-up): "
           + ("every server" if not unfrozen else "NOT in " + ", ".join(unfrozen)))

@@ -331,6 +331,25 @@ def test_harness_table_names_the_mla_kernel_that_ran(cs):
     assert "fused MLA kernels that ran: -" in cs.format_table({"servers": {}, "pairs": {}, "logprob_pairs": {}})
 
 
+def test_harness_overlap_and_sync_debug(cs, tmp_path, monkeypatch):
+    """``--overlap`` drops --disable-overlap-schedule from every server and names them so; ``--sync-debug`` gives
+    KDTREE servers a sync log in place of the round log, and the table counts its sites."""
+    v = cs.Variant("llama", tmp_path / "t", tmp_path / "d", "float32")
+    assert "--disable-overlap-schedule" in cs.server_args(v, 1, kdtree=True, cuda_graph=True)
+    monkeypatch.setattr(cs, "OVERLAP", True)
+    for kdtree in (False, True):
+        assert "--disable-overlap-schedule" not in cs.server_args(v, 1, kdtree=kdtree, cuda_graph=True)
+    assert cs.server_name(v, True, True) == "llama-float32-kdtree-graph-overlap"
+    log = tmp_path / "syncs.jsonl"
+    log.write_text('{"file": "/x/worker.py", "line": 9, "message": "m"}\n' * 2
+                   + '{"file": "/x/pipeline.py", "line": 3, "message": "m"}\n')
+    syncs = cs.host_syncs(log)
+    assert syncs == {"host_syncs": 3, "host_sync_sites": {"/x/worker.py:9": 2, "/x/pipeline.py:3": 1}}
+    assert cs.host_syncs(tmp_path / "absent.jsonl") == {"host_syncs": 0, "host_sync_sites": {}}
+    table = cs.format_table({"servers": {"k": syncs}, "pairs": {}, "logprob_pairs": {}})
+    assert "host syncs in decode rounds k: 3  /x/worker.py:9 x2, /x/pipeline.py:3 x1" in table
+
+
 def test_trace_records_first_call_per_op(tmp_path, monkeypatch):
     trace = tmp_path / "ops.txt"
     monkeypatch.setenv("KDTREE_STANDIN_TRACE", str(trace))

@@ -14,12 +14,12 @@ the free memory when it profiles minus ``(1 - mem_fraction_static)`` x the free 
 ``--mem-fraction-static 0.3`` (~42 GB of an H200) is headroom for what the neighbours allocate meanwhile;
 the pool itself is capped by ``--max-total-tokens`` (a few hundred MB for these models).
 
-CLI (used by ``device/device_server.sh`` to probe a first run; the test is
-``tests/gpu/test_server_cuda.py``)::
+CLI (``device/device_server.sh``'s PROBE; the test is ``tests/gpu/test_server_cuda.py``)::
 
     python tests/e2e/cuda_servers.py --models llama,dsv3 --modes graph --dtypes float32 --out DIR
 
-writes ``DIR/summary.json`` and one log per server, and prints one line per comparison.
+(``--overlap``: every server on SGLang's overlap scheduler; ``--sync-debug``: KDTREE servers list each host sync
+of a decode round, in place of the round log) writes ``DIR/summary.json`` and one log per server, and prints one line per comparison.
 
 Environment: ``KDTREE_TINY_MODELS`` (the tiny models, built with ``make_tiny_models.py`` if missing),
 ``KDTREE_KIMI_MODELS`` (the Kimi-shaped target as ``DIR/kimi`` with its drafter ``DIR/kimi-dflash``;
@@ -51,6 +51,7 @@ REPO = HERE.parent.parent
 
 sys.path.insert(0, str(HERE))
 import make_tiny_models as tiny  # noqa: E402
+from cuda_compare import first_mismatch, host_syncs, logprob_pair  # noqa: E402,F401  (cs.first_mismatch etc.)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_CUDA_STARTUP_TIMEOUT", "420"))
 NUM_PROMPTS = 40
@@ -58,6 +59,11 @@ NEW_TOKENS = 32
 VERIFY_WIDTH = 17  # --speculative-num-draft-tokens: 16 tree nodes + the root
 #: verify-width tiers (``--widths``): KDTREE servers then choose per round (no --speculative-num-draft-tokens)
 WIDTHS: str | None = None
+#: ``--overlap``: every server on SGLang's overlap scheduler (its default); otherwise all pass --disable-overlap-schedule
+OVERLAP = False
+#: ``--sync-debug``: KDTREE servers write each host sync of a decode round (``sglang_kdtree/sync_debug.py``) instead
+#: of a round log (whose reads are such syncs, by design)
+SYNC_DEBUG = False
 MAX_RUNNING = 48  # >= NUM_PROMPTS, so every prompt is in flight at once
 DECODE_GRAPH_BS = [1, 2, 4, 8, 16, 24, 32, 40, 48]
 PREFILL_GRAPH_TOKENS = [64, 256, 1024]
@@ -128,7 +134,7 @@ def server_args(variant: Variant, port: int, *, kdtree: bool, cuda_graph: bool) 
         "--attention-backend", "triton",
         "--sampling-backend", "pytorch",
         "--page-size", "1",
-        "--disable-overlap-schedule",
+        *([] if OVERLAP else ["--disable-overlap-schedule"]),
         "--disable-radix-cache",
         "--mem-fraction-static", "0.3",
         "--max-total-tokens", "32768",
@@ -199,11 +205,9 @@ class CudaServer:
         return None
 
     def freeze_gc(self) -> None:
-        """POST ``/freeze_gc``, the step SGLang itself runs after its warm-up requests so that the startup heap
-        leaves the collected generations (scheduler, detokenizer, tokenizer). With ``--skip-server-warmup`` SGLang
-        runs that step before the HTTP server accepts connections, and it fails ("post-warmup freeze_gc failed"
-        in the server log): those servers served with nothing frozen, unlike
-        a warmed-up production server. ``gc_frozen`` records whether this call succeeded."""
+        """POST ``/freeze_gc``, which SGLang runs after its warm-up so the startup heap leaves the collected
+        generations; with ``--skip-server-warmup`` its own call comes too early and fails. ``gc_frozen``: whether
+        this one succeeded."""
         try:
             req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST")
             with urllib.request.urlopen(req, timeout=30) as r:
@@ -237,11 +241,13 @@ class CudaServer:
 
 
 def server_name(variant: Variant, kdtree: bool, cuda_graph: bool) -> str:
-    return f"{variant.name}-{variant.dtype}-{'kdtree' if kdtree else 'plain'}-{'graph' if cuda_graph else 'eager'}"
+    return (f"{variant.name}-{variant.dtype}-{'kdtree' if kdtree else 'plain'}-{'graph' if cuda_graph else 'eager'}"
+            + ("-overlap" if OVERLAP else ""))
 
 
 def start_servers(plan: list[tuple[Variant, bool, bool]], log_dir: Path) -> dict[str, CudaServer]:
-    """Start every (variant, kdtree, cuda_graph) of ``plan`` at once; KDTREE servers write a round log."""
+    """Start every (variant, kdtree, cuda_graph) of ``plan`` at once; KDTREE servers write a round log (or, with
+    ``SYNC_DEBUG``, their host syncs)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
     for variant, kdtree, cuda_graph in plan:
@@ -250,9 +256,9 @@ def start_servers(plan: list[tuple[Variant, bool, bool]], log_dir: Path) -> dict
         env["KDTREE_STANDIN_TRACE"] = str(log_dir / f"standin-ops-{name}.txt")
         Path(env["KDTREE_STANDIN_TRACE"]).unlink(missing_ok=True)
         if kdtree:
-            round_log = log_dir / f"rounds-{name}.jsonl"
-            round_log.unlink(missing_ok=True)
-            env["KDTREE_ROUND_LOG"] = str(round_log)
+            log = log_dir / f"{'syncs' if SYNC_DEBUG else 'rounds'}-{name}.jsonl"
+            log.unlink(missing_ok=True)
+            env["KDTREE_SYNC_DEBUG" if SYNC_DEBUG else "KDTREE_ROUND_LOG"] = str(log)
             if WIDTHS is not None:
                 env["SGLANG_KDTREE_VERIFY_WIDTHS"] = WIDTHS
         args = server_args(variant, free_port(), kdtree=kdtree, cuda_graph=cuda_graph)
@@ -280,16 +286,14 @@ def wait_all(servers: dict[str, CudaServer], timeout: float = STARTUP_TIMEOUT_S)
     return failed
 
 
-def greedy_payload(prompt: list[int]) -> dict:
-    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+def greedy_payload(prompt: list[int], logprobs: bool = False) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+            **({"return_logprob": True} if logprobs else {})}
 
 
 def run_prompts(server: CudaServer, batch: list[list[int]], logprobs: bool = False) -> list[dict]:
     def one(prompt):
-        payload = greedy_payload(prompt)
-        if logprobs:
-            payload["return_logprob"] = True
-        return server.generate(payload)
+        return server.generate(greedy_payload(prompt, logprobs))
 
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
         return list(pool.map(one, batch))
@@ -298,28 +302,6 @@ def run_prompts(server: CudaServer, batch: list[list[int]], logprobs: bool = Fal
 #: prompts also served greedily with ``return_logprob`` by both servers of a pair (KDTREE's logprobs come from
 #: the verify forward's rows of the accepted path: ``spec_logprobs.py``)
 LOGPROB_PROMPTS = 8
-
-
-def logprob_pair(plain: list[dict], spec: list[dict]) -> dict:
-    """Ids identical, and the largest |difference| of the output tokens' logprobs (same tokens)."""
-    ids_same = [r["output_ids"] for r in plain] == [r["output_ids"] for r in spec]
-    diff = 0.0
-    for a, b in zip(plain, spec):
-        la = [t[0] for t in a["meta_info"]["output_token_logprobs"]]
-        lb = [t[0] for t in b["meta_info"]["output_token_logprobs"]]
-        if len(la) != len(lb) or any(x is None or y is None for x, y in zip(la, lb)):
-            return {"ids_identical": ids_same, "max_abs_diff": None, "error": "missing or unequal logprobs"}
-        diff = max([diff] + [abs(x - y) for x, y in zip(la, lb)])
-    return {"ids_identical": ids_same, "max_abs_diff": diff, "error": None}
-
-
-def first_mismatch(a: list[dict], b: list[dict]) -> str | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x["output_ids"] != y["output_ids"]:
-            j = next((k for k, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])) if s != t),
-                     min(len(x["output_ids"]), len(y["output_ids"])))
-            return f"prompt {i}: first differing output index {j}: {x['output_ids']} vs {y['output_ids']}"
-    return None
 
 
 def round_records(server: CudaServer) -> list[dict]:
@@ -369,12 +351,12 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                 rec["spec_verify_ct"] = verify
                 rec["accept_length"] = rec["completion_tokens"] / verify if verify else None
             records = round_records(server)
+            rec.update(host_syncs(log_dir / f"syncs-{name}.jsonl") if SYNC_DEBUG and "kdtree" in name else {})
             rec["round_log_exists"] = bool(server.round_log and server.round_log.exists())
             rec["rounds"] = len(records)
             rec["max_batch_in_round"] = max((len(r.get("accept_lens", [])) for r in records), default=0)
             rec["backends"] = sorted({str(r.get("backend")) for r in records})
             rec["graph_rounds"] = sum(bool(r.get("graph")) for r in records)
-            # device counters (process totals so far): fused MLA tree-verify launches, routed Marlin MoE calls
             graph_mla = [r["mla_launches"] for r in records if r.get("graph") and "mla_launches" in r]
             rec["mla_launches"] = max((r.get("mla_launches", 0) for r in records), default=0)
             rec["mla_launches_during_graph_rounds"] = graph_mla[-1] - graph_mla[0] if len(graph_mla) > 1 else 0
@@ -382,11 +364,9 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                                    if "mla_launches_by_kernel" in r), {})
             rec["mla_kernels"] = sorted(k for k, n in last_by_kernel.items() if n > 0)
             rec["marlin_routed"] = max((r.get("marlin_routed", 0) for r in records), default=0)
-            # process totals of the bookkeeping's own CUDA-graph replays (tree step; greedy accept + commit)
             rec["tree_graph_replays"] = max((r.get("tree_graph_replays", 0) for r in records), default=0)
             rec["commit_graph_replays"] = max((r.get("commit_graph_replays", 0) for r in records), default=0)
-            # verify-width tiers: rounds per width, the target verifies per width that replayed a graph (process
-            # totals), and the mean predicted / realised accept length per width
+            # per verify width: rounds, graph replays and the mean predicted / realised accept length
             widths = [r["width"] for r in records if r.get("width")]
             rec["tiers"] = next((r["tiers"] for r in reversed(records) if r.get("tiers")), {})
             rec["width_rounds"] = {}
@@ -440,6 +420,10 @@ def format_table(summary: dict) -> str:
                 f"graph {rec['tiers'].get(w, {}).get('graph_replays', '?')}/{rec['tiers'].get(w, {}).get('verifies', '?')}"
                 for w, x in rec["width_rounds"].items()))
     ops = sorted({op for rec in summary["servers"].values() for op in rec.get("standin_ops_called", [])})
+    for name, rec in summary["servers"].items():
+        if "host_syncs" in rec:
+            lines.append(f"host syncs in decode rounds {name}: {rec['host_syncs']}  "
+                         + ", ".join(f"{k} x{n}" for k, n in rec["host_sync_sites"].items()))
     lines.append(f"sgl_kernel stand-in ops called (any server): {', '.join(ops) or '-'}")
     kernels = {name: rec["mla_kernels"] for name, rec in summary["servers"].items() if rec.get("mla_kernels")}
     lines.append("fused MLA kernels that ran: "
@@ -463,9 +447,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--widths", default=None,
                         help="verify-width tiers, e.g. 8,16,32: KDTREE servers choose per round (default: pinned 17)")
+    parser.add_argument("--overlap", action="store_true", help="every server on the overlap scheduler")
+    parser.add_argument("--sync-debug", action="store_true", help="KDTREE servers record each host sync of a round")
     args = parser.parse_args(argv)
-    global WIDTHS
-    WIDTHS = args.widths
+    global WIDTHS, OVERLAP, SYNC_DEBUG
+    WIDTHS, OVERLAP, SYNC_DEBUG = args.widths, args.overlap, args.sync_debug
     chosen = []
     for dtype in args.dtypes.split(","):
         table = variants(dtype)

@@ -455,3 +455,16 @@ def test_sampling_distribution_equals_the_plain_server(plain_server, kdtree_serv
           f"{len(set(other))}; p(kdtree = plain) = {p_same:.3g}, p(control = plain) = {p_control:.3g}")
     assert p_control < ALPHA, f"the test has no power here: control vs plain p = {p_control}"
     assert p_same >= ALPHA, f"KDTREE's {params} samples differ from the plain server's: p = {p_same}"
+
+
+def test_a_profiled_decode_window_writes_a_trace(kdtree_server, tmp_path):
+    """``benchmarks/idle_gaps.py``'s flow, as the GPU bench runs it: a batch decoding together, SGLang's
+    ``/start_profile`` for a few steps, the trace written and read back. On CPU the trace holds host activity only,
+    so there are no device figures."""
+    from benchmarks import idle_gaps
+
+    batch = [PROMPTS[0], PROMPTS[-1]]
+    path, figures = idle_gaps.profile_decode(kdtree_server.url, batch, new_tokens=96, steps=3, folder=tmp_path,
+                                             profile_id="cpu-bs2", activities=("CPU",), timeout=240)
+    assert path.name.startswith("cpu-bs2-TP-0") and figures is None
+    assert any(ev.get("cat") == "cpu_op" for ev in idle_gaps.read_trace(path))
