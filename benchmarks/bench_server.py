@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the CUDA harness, and this package
 import cuda_servers  # noqa: E402
 
-from benchmarks import idle_gaps  # noqa: E402
+from benchmarks import idle_gaps, server_kinds  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
@@ -83,18 +83,9 @@ def _geometry(variant) -> tuple[int, int]:
     return int(block) - 1, int(target["vocab_size"])
 
 
-#: a KDTREE kind ending in this runs on SGLang's overlap scheduler (``kdtree-63-overlap``); the others without it
-OVERLAP_SUFFIX = "-overlap"
-
-
 def _kind_budget(kind: str, budget: int) -> int | None:
-    """The node budget a KDTREE kind pins (``kdtree-15`` -> 15; other KDTREE kinds: ``budget``), None for
-    ``kdtree-auto*`` (the width chosen per round)."""
-    kind = kind.removesuffix(OVERLAP_SUFFIX)
-    tail = kind.split("-", 1)[1] if "-" in kind else ""
-    if tail.startswith("auto"):
-        return None
-    return int(tail) if tail.isdigit() else budget
+    """The node budget of a KDTREE kind: the one its name pins, else ``budget``; None for ``kdtree-auto*``."""
+    return None if server_kinds.chooses_width(kind) else (server_kinds.pinned_budget(kind) or budget)
 
 
 def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: bool = True) -> list[str]:
@@ -109,7 +100,7 @@ def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: boo
                 args += ["--speculative-num-draft-tokens", str(pinned + 1)]
             else:
                 args[i + 1] = str(pinned + 1)
-        if kind.endswith(OVERLAP_SUFFIX):
+        if server_kinds.overlapped(kind):
             args.remove("--disable-overlap-schedule")
     else:
         if kind == "dflash":

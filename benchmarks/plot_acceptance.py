@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.plot_kimi_round import pyplot
+from benchmarks.server_kinds import overlapped, pinned_budget
 
 #: one colour per temperature, in the report's order
 COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple")
@@ -35,9 +36,10 @@ class PlotError(Exception):
 
 
 def _kdtree(servers: dict) -> list[tuple[int, dict]]:
-    """``(budget, server)`` of the KDTREE servers that served, budget ascending."""
-    out = [(int(k.split("-", 1)[1]), s) for k, s in servers.items()
-           if k.startswith("kdtree-") and k.split("-", 1)[1].isdigit() and not s.get("error")]
+    """``(budget, server)`` of the pinned-budget KDTREE servers that served, budget ascending; an ``-overlap`` twin
+    accepts what its budget's server does, so it is not a second point."""
+    out = [(pinned_budget(k), s) for k, s in servers.items()
+           if pinned_budget(k) is not None and not overlapped(k) and not s.get("error")]
     return sorted(out, key=lambda x: x[0])
 
 

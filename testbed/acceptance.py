@@ -51,6 +51,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.server_kinds import pinned_budget
+
 REPO = Path(__file__).resolve().parent.parent
 E2E = REPO / "tests" / "e2e"
 
@@ -68,11 +70,6 @@ LISTED_MISMATCHES = 10
 
 def kinds(budgets) -> list[str]:
     return ["plain", "dflash"] + [f"kdtree-{b}" for b in budgets]
-
-
-def budget_of(kind: str) -> int | None:
-    """``kdtree-63`` and ``kdtree-63-overlap`` (overlap scheduling on) -> 63; None for the baselines."""
-    return int(kind.split("-")[1]) if kind.startswith("kdtree-") else None
 
 
 def load_prompts(pair: Path, count: int | None) -> list[dict]:
@@ -128,7 +125,7 @@ def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str, kv:
     if device == "cuda":
         bench_server, cuda_servers = cuda_harness()
         variant = cuda_servers.Variant("pair", pair / "target", pair / "drafter", dtype)
-        args = bench_server._args_for(kind, variant, cuda_servers.free_port(), budget_of(kind) or 0)
+        args = bench_server._args_for(kind, variant, cuda_servers.free_port(), pinned_budget(kind) or 0)
         _raise_kv(args, kv)
         server = cuda_servers.CudaServer(kind, args, logs / f"{kind}.log", env)
     else:
@@ -139,7 +136,7 @@ def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str, kv:
             args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(pair / "drafter")]
         elif kind.startswith("kdtree"):
             args += ["--speculative-algorithm", "kdtree", "--speculative-draft-model-path", str(pair / "drafter"),
-                     "--speculative-num-draft-tokens", str(budget_of(kind) + 1)]
+                     "--speculative-num-draft-tokens", str(pinned_budget(kind) + 1)]
         _raise_kv(args, kv)
         server = conftest.Server(args, logs / f"{kind}.log", env)
         server.args = args
@@ -277,8 +274,8 @@ def curves(servers: dict, temperature: float) -> tuple[dict, float | None]:
     curve = {}
     for kind, s in servers.items():
         phase = s.get("phases", {}).get(key)
-        if budget_of(kind) is not None and phase and phase.get("tau_pooled") is not None:
-            curve[str(budget_of(kind))] = phase["tau_pooled"]
+        if pinned_budget(kind) is not None and phase and phase.get("tau_pooled") is not None:
+            curve[str(pinned_budget(kind))] = phase["tau_pooled"]
     phase = servers.get("dflash", {}).get("phases", {}).get(key)
     dflash = phase.get("tau_pooled") if phase and phase.get("sampling_preserved", True) else None
     return dict(sorted(curve.items(), key=lambda kv: int(kv[0]))), dflash
@@ -358,7 +355,7 @@ def run(args) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     names = kinds(args.budgets) if not args.kinds else args.kinds
     kv = kv_tokens(args.concurrency, max(len(p["input_ids"]) for p in prompts), args.new_tokens,
-                   max([budget_of(k) or 0 for k in names] + [16]))
+                   max([pinned_budget(k) or 0 for k in names] + [16]))
     servers, outputs = {}, {}
     for wave in waves(names, args.at_once or len(names)):
         running = {}
@@ -431,7 +428,7 @@ def parse_args(argv=None):
     bad = [b for b in args.budgets if not 1 <= b <= MAX_BUDGET]
     if bad:
         p.error(f"--budgets: {bad[0]} is outside [1, {MAX_BUDGET}] (the verify width is budget + 1)")
-    if args.kinds and any(k not in ("plain", "dflash") and budget_of(k) is None for k in args.kinds):
+    if args.kinds and any(k not in ("plain", "dflash") and pinned_budget(k) is None for k in args.kinds):
         p.error(f"--kinds: each is plain, dflash or kdtree-B, got {args.kinds}")
     if args.at_once is None and args.device == "cpu":
         args.at_once = 2

@@ -35,7 +35,7 @@ def test_options_defaults_and_refusals(capsys):
 
 def test_plan_helpers(tmp_path):
     assert acc.kinds([15, 255]) == ["plain", "dflash", "kdtree-15", "kdtree-255"]
-    assert [acc.budget_of(k) for k in ("plain", "dflash", "kdtree-255")] == [None, None, 255]
+    assert [acc.pinned_budget(k) for k in ("plain", "dflash", "kdtree-255", "kdtree-63-overlap")] == [None, None, 255, 63]
     assert acc.waves(["a", "b", "c"], 2) == [["a", "b"], ["c"]]
     # 48 requests of 64 + 448 tokens, a 256-row tree and a 32-row margin each
     assert acc.kv_tokens(48, 64, 448, 255) == 48 * 800
