@@ -203,10 +203,12 @@ def test_quiet_imports_keeps_warnings_out_and_errors_visible(capfd):
     assert logging.getLogger("sglang").propagate and not logging.getLogger("sglang").handlers
 
 
+@pytest.mark.extended
 def test_doctor_fails_from_a_checkout_after_pip_uninstall(tmp_path):
-    """The issue's case, for real: sglang-kdtree uninstalled, doctor run from a checkout holding the egg-info
-    ``pip install .`` left. This process sees the entry point (SGLang's loader, run here, loads the plugin), a
-    server started elsewhere would not. The venv sees every package of this one except sglang-kdtree."""
+    """sglang-kdtree uninstalled, doctor run from a checkout holding the egg-info ``pip install .`` left. This
+    process sees the entry point (SGLang's loader, run here, loads the plugin), a server started elsewhere would
+    not. The venv sees every package of this one except sglang-kdtree. ``extended``: a venv and a doctor run,
+    about 50 s of CI's 2 cores, for a case the in-process tests above cover in part."""
     purelib = Path(sysconfig.get_paths()["purelib"])
     packages = tmp_path / "packages"
     packages.mkdir()

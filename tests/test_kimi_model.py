@@ -1,4 +1,6 @@
 """CPU tests of the Kimi-shaped target built by tests/e2e/make_kimi_model.py (a short build: 2 training steps).
+Those of the built checkpoint are ``extended``: the build and SGLang's load take about 100 s of CI's 2 cores, for
+a test target that changes rarely (run them before a GPU session that serves it: ``-m extended``).
 
 They check the checkpoint against SGLang's own code: its config readers, the compressed-tensors config and
 MoE scheme selection, and FusedMoE's weight loader for the packed experts. The INT4 codes are unpacked here
@@ -56,6 +58,7 @@ def quant_config(built):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_model_config_is_kimi_mla_geometry(built):
     from sglang.srt.configs.model_config import AttentionArch, ModelConfig
     from sglang.srt.utils.hf_transformers_utils import get_config
@@ -76,6 +79,7 @@ def test_model_config_is_kimi_mla_geometry(built):
     assert hf.hidden_size % 128 == 0 and hf.moe_intermediate_size % 128 == 0  # Marlin tiles
 
 
+@pytest.mark.extended
 def test_quantization_config_selects_wna16_marlin_moe_and_ignores_the_rest(built):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA16MoE
@@ -100,6 +104,7 @@ def test_quantization_config_selects_wna16_marlin_moe_and_ignores_the_rest(built
         assert qc.get_scheme_dict(None, name) is None, name
 
 
+@pytest.mark.extended
 def test_checkpoint_names_and_dtypes(built, tensors):
     packed = [n for n in tensors if n.endswith("weight_packed")]
     assert len(packed) == len(MOE_LAYERS) * 16 * 3
@@ -138,6 +143,7 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack(nibbles, dim=-1).reshape(packed.shape[0], -1) - 8
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layer", MOE_LAYERS)
 def test_packed_experts_unpack_to_the_trained_weights(tensors, staged, layer):
     for e in range(16):
@@ -155,6 +161,7 @@ def test_packed_experts_unpack_to_the_trained_weights(tensors, staged, layer):
             torch.testing.assert_close(values, trained, rtol=0, atol=0)
 
 
+@pytest.mark.extended
 def test_compressed_tensors_decompresses_the_same_values(built, tensors, staged):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
@@ -201,6 +208,7 @@ def sglang_moe_layer(built, tensors, layer_index: int):
     return layer, loaded
 
 
+@pytest.mark.extended
 def test_sglang_fused_moe_loader_takes_the_checkpoint(built, tensors, staged):
     """SGLang's CompressedTensorsWNA16MoE.create_weights + FusedMoE's weight loader load every expert tensor;
     the loaded layout dequantizes to the trained weights."""
@@ -266,6 +274,7 @@ print("RESULT " + json.dumps({"quant": type(quant).__name__, "unfilled": unfille
 """
 
 
+@pytest.mark.extended
 def test_sglang_deepseek_model_loads_every_parameter(built, tmp_path):
     """SGLang's own DeepseekV3ForCausalLM (CPU engine, in a subprocess: it needs a process group, the CPU
     ``sgl_kernel`` stand-in and ``SGLANG_USE_CPU_ENGINE`` set before import) built with the checkpoint's
@@ -294,6 +303,7 @@ def test_sglang_deepseek_model_loads_every_parameter(built, tmp_path):
     assert result["unfilled"] == expected_unfilled
 
 
+@pytest.mark.extended
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_sglang_plain_marlin_moe_serves_the_checkpoint(built, tensors, staged, tokens):
@@ -340,6 +350,7 @@ def test_sglang_plain_marlin_moe_serves_the_checkpoint(built, tensors, staged, t
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_filler_rows_never_beat_the_prototypes(tensors, staged):
     """Every filler row of the LM head is a convex combination of the trained prototype rows, so for any
     hidden state its logit is at most the largest prototype logit (bf16 rounding aside)."""
@@ -356,6 +367,7 @@ def test_filler_rows_never_beat_the_prototypes(tensors, staged):
     assert filler.std(1).min() > 0  # a real ranking among fillers, not one repeated row
 
 
+@pytest.mark.extended
 def test_tokenizer_covers_every_id(built):
     from transformers import AutoTokenizer
 
@@ -368,6 +380,7 @@ def test_tokenizer_covers_every_id(built):
         assert tok.decode([163_839, 100_000, 66]) == "x163839 x100000 x66"
 
 
+@pytest.mark.extended
 def test_drafter_config_parses_and_weights_fit(built, tensors):
     from safetensors.torch import load_file
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
@@ -385,6 +398,7 @@ def test_drafter_config_parses_and_weights_fit(built, tensors):
     assert weights["fc.weight"].shape == (256, 2 * 256)
 
 
+@pytest.mark.extended
 def test_manifest_and_rebuild_is_deterministic(built, tmp_path):
     manifest = json.loads((built.out / kimi.MANIFEST).read_text())
     assert manifest["source_hash"] == kimi.source_hash() and manifest["vocab_size"] == 163_840

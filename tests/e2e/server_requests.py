@@ -15,6 +15,8 @@ import make_tiny_models as tiny
 
 BUDGET = 16
 VERIFY_WIDTH = BUDGET + 1
+#: verify-width tiers of the servers that choose their width per round: small, to keep CPU rounds short
+TIERS = "4,8,17"
 NEW_TOKENS = 24
 
 

@@ -28,18 +28,23 @@ from server_requests import (ALPHA, BUDGET, LOGPROB_ATOL, NEW_TOKENS, PROMPTS, _
 pytestmark = pytest.mark.slow
 
 
-def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True):
+def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True, widths: str | None = None):
     """A KDTREE server for ``plain_server``'s target, with its round log and fault-injection file; stopped (and
-    checked to stop cleanly) when the generator resumes."""
+    checked to stop cleanly) when the generator resumes. It verifies the pinned width ``VERIFY_WIDTH``, or with
+    ``widths`` chooses per round among those tiers (no ``--speculative-num-draft-tokens``)."""
     name = plain_server.model_name
     tag = name if overlap else f"{name}-no-overlap"
     round_log = server_logs / f"rounds-{tag}.jsonl"
     round_log.unlink(missing_ok=True)
     faults = server_logs / f"faults-{tag}.json"  # test-only fault injection: absent unless a test writes it
     faults.unlink(missing_ok=True)
-    server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name),
-                          name=f"kdtree-{tag}", env={"KDTREE_ROUND_LOG": str(round_log),
-                                                     "KDTREE_TEST_FAULTS": str(faults)}, overlap=overlap)
+    extra = _kdtree_args(tiny_models, name)
+    env = {"KDTREE_ROUND_LOG": str(round_log), "KDTREE_TEST_FAULTS": str(faults)}
+    if widths:
+        extra = extra[:extra.index("--speculative-num-draft-tokens")]
+        env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
+    server = start_server(tiny_models / name, server_logs, extra=extra, name=f"kdtree-{tag}", env=env,
+                          overlap=overlap)
     server.wait_ready()
     server.model_name = name
     server.round_log = round_log

@@ -3,9 +3,14 @@ faults are then read right after it, in the same ``on_verify_complete_cpu`` hook
 sampling, fault and allocation-failure tests of ``test_server_kdtree.py``, whose own server overlaps. Both equal
 the plain server (no speculation, no overlap), so the two modes give the same tokens.
 
+This server also chooses its verify width per round among ``TIERS`` (no ``--speculative-num-draft-tokens``), as
+the README's launch does, so the same start covers the automatic width (one server start less for CI).
+
 The tests are ``test_server_kdtree.py``'s own functions, collected here again with this module's fixtures."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -14,14 +19,14 @@ from test_server_kdtree import (  # noqa: F401  (collected here: the tests run a
     test_greedy_outputs_identical_to_plain_server, test_max_new_tokens_cut, test_round_oom_retried_once_changes_no_output,
     test_round_oom_twice_ends_its_batch_and_the_server_continues, test_sampling_with_seed_is_reproducible_and_exact,
     test_stop_token_inside_accepted_path)
-from server_requests import PROMPTS, _concurrent, _greedy
+from server_requests import PROMPTS, TIERS, _concurrent, _greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("plain_server", ["llama"], indirect=True)]
 
 
 @pytest.fixture(scope="module")
 def kdtree_server(plain_server, tiny_models, server_logs):
-    yield from serve_kdtree(plain_server, tiny_models, server_logs, overlap=False)
+    yield from serve_kdtree(plain_server, tiny_models, server_logs, overlap=False, widths=TIERS)
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +40,18 @@ def test_the_server_runs_without_overlap_and_says_nothing_deprecated(kdtree_serv
     algorithms registered without overlap support is gone."""
     assert "--disable-overlap-schedule" in kdtree_server._args
     assert DEPRECATED not in kdtree_server.log_path.read_text(errors="replace")
+
+
+def test_automatic_width_is_exact_and_reports_its_predictions(kdtree_server, greedy_results):
+    """The choice explores every tier, then picks; outputs stay exact and every round logs the width, the predicted
+    and the realised accept length."""
+    plain, _ = greedy_results
+    start = len(kdtree_server.round_log.read_text().splitlines())
+    spec = _concurrent(kdtree_server, [_greedy(p) for p in PROMPTS])
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    rounds = [json.loads(line) for line in kdtree_server.round_log.read_text().splitlines()]
+    assert len({r["width"]["width"] for r in rounds}) >= 2
+    assert {r["width"]["width"] for r in rounds} <= {int(w) for w in TIERS.split(",")}
+    for r in rounds[start:]:
+        w = r["width"]
+        assert w["predicted"] >= 1.0 and w["predicted_raw"] >= 1.0 and w["round_ms"] > 0
