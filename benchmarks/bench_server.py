@@ -39,6 +39,9 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
 For each batch size, one warm-up batch, then ``--repeats`` timed batches of ``bs`` concurrent greedy requests
 of ``--new-tokens`` tokens each (``ignore_eos``); per server it reports tokens/s per request (median over
 requests and repeats), aggregate tokens/s, and the mean accept length from SGLang's ``spec_accept_length``.
+With ``--idle-steps N``, every server then profiles N decode steps at each ``--idle-batches`` size and reports the
+GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
+servers in the same run.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def _wait_for_trace(folder: Path, profile_id: str, timeout: float) -> Path:
 
 
 def profile_decode(url: str, batch: list[list[int]], new_tokens: int, steps: int, folder: Path, profile_id: str,
-                   activities=("GPU",), timeout: float = 300) -> tuple[Path, dict | None]:
+                   activities=("GPU",), timeout: float = 120) -> tuple[Path, dict | None]:
     """Profile ``steps`` forward steps of ``batch`` decoding together on the server at ``url``; returns the trace's
     path and ``analyse``'s figures. ``new_tokens`` must outlast the window: each request keeps decoding until the
     trace is written (``ignore_eos``)."""
