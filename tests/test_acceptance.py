@@ -35,7 +35,8 @@ def test_options_defaults_and_refusals(capsys):
 
 def test_plan_helpers(tmp_path):
     assert acc.kinds([15, 255]) == ["plain", "dflash", "kdtree-15", "kdtree-255"]
-    assert [acc.pinned_budget(k) for k in ("plain", "dflash", "kdtree-255", "kdtree-63-overlap")] == [None, None, 255, 63]
+    kinds = ("plain", "dflash", "kdtree-255", "kdtree-63-overlap")
+    assert [acc.pinned_budget(k) for k in kinds] == [None, None, 255, 63]
     assert acc.waves(["a", "b", "c"], 2) == [["a", "b"], ["c"]]
     # 48 requests of 64 + 448 tokens, a 256-row tree and a 32-row margin each
     assert acc.kv_tokens(48, 64, 448, 255) == 48 * 800

@@ -18,8 +18,9 @@ CLI (``device/device_server.sh``'s PROBE; the test is ``tests/gpu/test_server_cu
 
     python tests/e2e/cuda_servers.py --models llama,dsv3 --modes graph --dtypes float32 --out DIR
 
-(``--overlap``: every server on SGLang's overlap scheduler; ``--sync-debug``: KDTREE servers list each host sync
-of a decode round, in place of the round log) writes ``DIR/summary.json`` and one log per server, and prints one line per comparison.
+writes ``DIR/summary.json`` and one log per server, and prints one line per comparison. ``--overlap``: every server
+on SGLang's overlap scheduler; ``--sync-debug``: KDTREE servers list each host sync of a decode round, in place of
+the round log.
 
 Environment: ``KDTREE_TINY_MODELS`` (the tiny models, built with ``make_tiny_models.py`` if missing),
 ``KDTREE_KIMI_MODELS`` (the Kimi-shaped target as ``DIR/kimi`` with its drafter ``DIR/kimi-dflash``;
@@ -59,7 +60,7 @@ NEW_TOKENS = 32
 VERIFY_WIDTH = 17  # --speculative-num-draft-tokens: 16 tree nodes + the root
 #: verify-width tiers (``--widths``): KDTREE servers then choose per round (no --speculative-num-draft-tokens)
 WIDTHS: str | None = None
-#: ``--overlap``: every server on SGLang's overlap scheduler (its default); otherwise all pass --disable-overlap-schedule
+#: ``--overlap``: every server on SGLang's overlap scheduler (its default); else all pass --disable-overlap-schedule
 OVERLAP = False
 #: ``--sync-debug``: KDTREE servers write each host sync of a decode round (``sglang_kdtree/sync_debug.py``) instead
 #: of a round log (whose reads are such syncs, by design)
