@@ -16,6 +16,7 @@ from benchmarks import plot_results
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+IS_IT_FASTER = ROOT / "docs" / "is-it-faster.md"
 
 MAX_README_LINES = 200
 #: 7-40 hex digits with at least one digit and one letter: an abbreviated or full commit hash
@@ -68,7 +69,7 @@ def test_commit_column_stripping_keeps_the_rest():
                                             "| A |  | 5ea4457 |\nafter"
 
 
-@pytest.mark.parametrize("path", [README, RESULTS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [README, RESULTS, IS_IT_FASTER], ids=lambda p: p.name)
 def test_no_commit_hashes_or_work_periods(path):
     text = path.read_text()
     if path == RESULTS:
@@ -100,7 +101,7 @@ def test_results_has_one_section_per_component_with_provenance():
         "the verify-widths section has no table of runs, widths and realised accept lengths"
 
 
-@pytest.mark.parametrize("path", [README, RESULTS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [README, RESULTS, IS_IT_FASTER], ids=lambda p: p.name)
 def test_relative_links_resolve(path):
     missing = []
     for target in LINK.findall(path.read_text()):
@@ -109,6 +110,42 @@ def test_relative_links_resolve(path):
         if not (path.parent / target.split("#")[0]).exists():
             missing.append(target)
     assert not missing, f"{path.name} links to files that do not exist: {missing}"
+
+
+def _shell_commands(path: Path) -> list[str]:
+    """The commands of ``path``'s bash blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        text = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.split(" #")[0].strip() for line in text.splitlines()
+                     if line.strip() and not line.lstrip().startswith("#")]
+    return commands
+
+
+@pytest.mark.parametrize("path", [README, IS_IT_FASTER], ids=lambda p: p.name)
+def test_documented_launches_pass_sglangs_parser_and_the_plugins_checks(path):
+    """Each documented ``sglang.launch_server`` command line would get past SGLang's argument parser and, for
+    ``kdtree``, the plugin's startup checks (the checkpoints aside)."""
+    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+
+    launches = [c for c in _shell_commands(path) if "sglang.launch_server" in c]
+    assert launches, f"{path.name} shows no launch"
+    for command in launches:
+        assert launch_args_problem(server_argv(command)) is None, command
+
+
+def test_documented_benchmark_flags_exist_in_sglangs_load_generator():
+    """Every flag docs/is-it-faster.md passes to ``python -m sglang.benchmark.serving`` is one that the installed
+    SGLang's module defines (read from its source: importing it starts nothing, but costs seconds)."""
+    import importlib.util
+
+    source = Path(importlib.util.find_spec("sglang.benchmark.serving").origin).read_text()
+    runs = [c for c in _shell_commands(IS_IT_FASTER) if "sglang.benchmark.serving" in c]
+    assert runs
+    flags = {f for c in runs for f in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", c)}
+    inline = set(re.findall(r"`(--[a-z][a-z0-9-]*)[ `]", IS_IT_FASTER.read_text().split("## 2.")[1]))
+    unknown = sorted(f for f in flags | inline if f'"{f}"' not in source)
+    assert not unknown, f"sglang.benchmark.serving has no {unknown}"
 
 
 # ---- plot_results.py -------------------------------------------------------------------------------------------
