@@ -154,6 +154,11 @@ def _payload(prompt, new_tokens: int) -> dict:
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
 
 
+def batch_of(bs: int) -> list[list[int]]:
+    """The ``bs`` prompts every server gets at batch size ``bs`` (timed batches and the idle trace alike)."""
+    return cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]
+
+
 def run_batch(server, batch, new_tokens: int) -> tuple[float, list[dict]]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
@@ -177,7 +182,7 @@ def _log_len(server) -> int:
 def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
     table = {}
     for bs in batches:
-        batch = cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]
+        batch = batch_of(bs)
         for kind, server in servers.items():
             run_batch(server, batch, new_tokens)  # warm-up (graph sizes, allocator)
             start_line = _log_len(server)
@@ -369,7 +374,7 @@ def main(argv=None) -> int:
         table = measure(servers, args.batches, args.new_tokens, args.repeats)
         idle = idle_gaps.trace_servers(
             servers, args.idle_batches, args.idle_steps, max(512, 8 * args.new_tokens), args.out / "traces",
-            lambda bs: cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]) if args.idle_steps else {}
+            batch_of) if args.idle_steps else {}
     finally:
         for server in servers.values():
             server.stop()

@@ -174,6 +174,8 @@ class CudaServer:
         self.log_path = log_path
         self.round_log: Path | None = (Path(env["KDTREE_ROUND_LOG"]) if env and "KDTREE_ROUND_LOG" in env
                                        else None)
+        self.sync_log: Path | None = (Path(env["KDTREE_SYNC_DEBUG"]) if env and "KDTREE_SYNC_DEBUG" in env
+                                      else None)
         self.ready_s: float | None = None
         self.gc_frozen: bool | None = None  # /freeze_gc's outcome once healthy (see poll_ready)
         self._log = open(log_path, "wb")
@@ -352,7 +354,7 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
                 rec["spec_verify_ct"] = verify
                 rec["accept_length"] = rec["completion_tokens"] / verify if verify else None
             records = round_records(server)
-            rec.update(host_syncs(log_dir / f"syncs-{name}.jsonl") if SYNC_DEBUG and "kdtree" in name else {})
+            rec.update(host_syncs(server.sync_log) if server.sync_log else {})
             rec["round_log_exists"] = bool(server.round_log and server.round_log.exists())
             rec["rounds"] = len(records)
             rec["max_batch_in_round"] = max((len(r.get("accept_lens", [])) for r in records), default=0)

@@ -29,10 +29,10 @@ def _prompts(count: int = 18, seed: int = 7) -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-def _kdtree_args(tiny_models, name: str, width: int = VERIFY_WIDTH) -> list[str]:
-    return ["--speculative-algorithm", "kdtree",
-            "--speculative-draft-model-path", str(tiny_models / f"{name}-dflash"),
-            "--speculative-num-draft-tokens", str(width)]
+def _kdtree_args(tiny_models, name: str, width: int | None = VERIFY_WIDTH) -> list[str]:
+    """KDTREE's flags for ``name``'s drafter, pinning ``width``; ``width=None``: the width chosen per round."""
+    return (["--speculative-algorithm", "kdtree", "--speculative-draft-model-path", str(tiny_models / f"{name}-dflash")]
+            + ([] if width is None else ["--speculative-num-draft-tokens", str(width)]))
 
 
 def _concurrent(server, payloads: list[dict]) -> list[dict]:

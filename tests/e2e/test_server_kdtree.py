@@ -38,11 +38,10 @@ def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True, w
     round_log.unlink(missing_ok=True)
     faults = server_logs / f"faults-{tag}.json"  # test-only fault injection: absent unless a test writes it
     faults.unlink(missing_ok=True)
-    extra = _kdtree_args(tiny_models, name)
     env = {"KDTREE_ROUND_LOG": str(round_log), "KDTREE_TEST_FAULTS": str(faults)}
     if widths:
-        extra = extra[:extra.index("--speculative-num-draft-tokens")]
         env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
+    extra = _kdtree_args(tiny_models, name, None) if widths else _kdtree_args(tiny_models, name)
     server = start_server(tiny_models / name, server_logs, extra=extra, name=f"kdtree-{tag}", env=env,
                           overlap=overlap)
     server.wait_ready()

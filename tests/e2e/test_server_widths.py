@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import start_server
-from server_requests import PROMPTS, TIERS, _concurrent, _greedy
+from server_requests import PROMPTS, TIERS, _concurrent, _greedy, _kdtree_args
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ def _serve(plain_server, tiny_models, server_logs, policy: str):
     plain = _concurrent(plain_server, payloads)
     log = server_logs / f"rounds-widths-{policy}-{name}.jsonl"
     log.unlink(missing_ok=True)
-    extra = ["--speculative-algorithm", "kdtree", "--speculative-draft-model-path", str(tiny_models / f"{name}-dflash")]
-    server = start_server(tiny_models / name, server_logs, extra=extra, name=f"kdtree-widths-{policy}-{name}",
+    server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name, None),
+                          name=f"kdtree-widths-{policy}-{name}",
                           env={"SGLANG_KDTREE_VERIFY_WIDTHS": TIERS, "SGLANG_KDTREE_WIDTH_POLICY": policy,
                                "KDTREE_ROUND_LOG": str(log)})
     try:
