@@ -16,14 +16,25 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 CHECK_HOST_LENS_ENV = "KDTREE_CHECK_HOST_LENS"
 
 
+class _RoundReadsHostLens:
+    """Stands for the round among the worker's ``spec_v2_attn_backends``: SGLang's overlap scheduler publishes
+    ``seq_lens_cpu`` only when one of those declares ``needs_cpu_seq_lens`` (``decide_needs_cpu_seq_lens``), and
+    Triton and FA3 declare False, but the round itself reads them (``host_prefix_lens``)."""
+
+    needs_cpu_seq_lens = True
+
+
+ROUND_READS_HOST_LENS = _RoundReadsHostLens()
+
+
 def host_prefix_lens(batch, check: bool = False) -> tuple[torch.Tensor, int]:
     """``(P on the host [bs] int64, sum(P))`` from SGLang's ``batch.seq_lens_cpu``, with no device read.
 
     SGLang keeps it exact when the worker is called: without overlap ``DFlashDraftInputV2.prepare_for_decode``
     writes each request's ``kv_committed_len``, which processing the previous round's result advanced by its
     ``accept_lens`` (the device ``seq_lens`` is that round's ``new_seq_lens = P + accept_lens``); with overlap
-    ``FutureMap.resolve_seq_lens_cpu`` overwrites it with the published lengths (for backends that need host
-    lengths, which every tree-mask backend does; otherwise it is None and this raises). ``check`` compares it
+    ``FutureMap.resolve_seq_lens_cpu`` overwrites it with the published lengths (which it copies because the
+    worker lists ``ROUND_READS_HOST_LENS``; without it, it is None and this raises). ``check`` compares it
     with the device lengths."""
     lens_cpu = batch.seq_lens_cpu
     if lens_cpu is None:

@@ -33,10 +33,10 @@ block, vocabulary) is ``self.geometry``, published for the patches with ``state.
 
 Overlap scheduling (``spec.SUPPORTS_OVERLAP``; on unless ``--disable-overlap-schedule``): SGLang issues round k+1
 while round k runs, so the round never waits for the device. Its host lengths are SGLang's own
-(``verify_input.host_prefix_lens``), ``on_publish(new_seq_lens)`` hands the next round its lengths as soon as the
-accept is issued, its fault words are read where SGLang reads its results (``on_verify_complete_cpu``) and the
-width choice times it with device events, settled before the next choice (``width_choice``); no host sync is
-left on the round's path (``tests/test_host_syncs.py`` lists every one elsewhere, each with its reason).
+(``verify_input.host_prefix_lens``; ``spec_v2_attn_backends`` asks for them), ``on_publish(new_seq_lens)`` hands
+the next round its lengths as soon as the accept is issued, its fault words are read where SGLang reads its
+results (``on_verify_complete_cpu``) and the width choice times it with device events, settled before the next
+choice (``width_choice``); no host sync is left on the round's path (``tests/test_host_syncs.py`` lists the rest).
 
 Faults (``sglang_kdtree.round_faults``): NaN / +inf logits and the GPU kernels' error flags end only the
 requests they hit; the flags become per-request fault words on the device (``device_fault_words``), read on the
@@ -80,7 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"sglang_kdtree.worker needs SGLang 0.5.23's DFlashWorkerV2: {exc}") from exc
 
 from sglang_kdtree.verify_input import (  # noqa: E402,F401  (KDTreeVerifyInput, tree_verify_batch: re-exported)
-    CHECK_HOST_LENS_ENV, KDTreeVerifyInput, host_prefix_lens, tree_verify_batch)
+    CHECK_HOST_LENS_ENV, ROUND_READS_HOST_LENS, KDTreeVerifyInput, host_prefix_lens, tree_verify_batch)
 
 #: ``off`` keeps the GPU round's bookkeeping out of CUDA graphs (``gpu/round_graphs.py``)
 TREE_GRAPH_ENV = "SGLANG_KDTREE_TREE_GRAPH"
@@ -200,6 +200,10 @@ class KDTreeWorker(DFlashWorkerV2):
     def init_attention_backends(self):
         with self._draft_geometry(self.block_size):
             super().init_attention_backends()
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (*super().spec_v2_attn_backends, ROUND_READS_HOST_LENS)
 
     def init_cuda_graphs(self):
         with self._draft_geometry(self.block_size):

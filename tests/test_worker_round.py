@@ -387,3 +387,25 @@ def test_the_host_lengths_check_catches_a_stale_host_copy():
             host_prefix_lens(stale, check=True)
     with pytest.raises(RuntimeError, match="seq_lens_cpu"):
         host_prefix_lens(_decode_batch(torch.tensor([5]), None))
+
+
+def test_the_overlap_scheduler_publishes_host_lengths_even_when_every_attention_backend_opts_out():
+    """Triton and FA3 declare ``needs_cpu_seq_lens = False``; SGLang's own decision over the worker's backends
+    must still publish ``seq_lens_cpu``, which the round reads (``host_prefix_lens``)."""
+    from sglang.srt.managers import overlap_utils
+
+    from sglang_kdtree.worker import KDTreeWorker
+
+    worker = object.__new__(KDTreeWorker)
+    opted_out = types.SimpleNamespace(needs_cpu_seq_lens=False)
+    worker._target_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=opted_out))
+    worker.draft_model_runner = types.SimpleNamespace(attn_backend=opted_out)
+    backends = worker.spec_v2_attn_backends
+    assert backends[:2] == (opted_out, opted_out)
+    spec = types.SimpleNamespace(speculative_algorithm="DFLASH")  # any but ngram, which always publishes
+    exec_ = types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overlap_utils, "get_spec", lambda: spec)
+        mp.setattr(overlap_utils, "get_exec", lambda: exec_)
+        assert overlap_utils.decide_needs_cpu_seq_lens(backends)
+        assert not overlap_utils.decide_needs_cpu_seq_lens(backends[:2])
