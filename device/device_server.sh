@@ -102,6 +102,7 @@ export KDTREE_SERVER_LOGS="$LOGS/servers"
 mkdir -p "$KDTREE_SERVER_LOGS"
 # leave ~25 s for copying logs and printing the table (and BENCH_AFTER's share for the bench)
 TEST_CAP=$(( $(left) - 25 - ${BENCH_AFTER_S:-0} ))
+STARTUP_GIVEN=${KDTREE_CUDA_STARTUP_TIMEOUT:-}
 export KDTREE_CUDA_STARTUP_TIMEOUT=${KDTREE_CUDA_STARTUP_TIMEOUT:-$(( TEST_CAP > 200 ? TEST_CAP - 120 : TEST_CAP / 2 ))}
 # CUDA servers here took 50-140 s to become healthy (70 s for the tiny Llama with 8 starting at once, 123-142 s with
 # 16); a shorter startup timeout stops them all while they still capture graphs, and the whole probe is lost (a
@@ -121,8 +122,11 @@ if [ "$KDTREE_CUDA_STARTUP_TIMEOUT" -lt 120 ]; then
 fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 run_bench() {  # plain vs DFLASH vs KDTREE (+ the MLA A/B) on the Kimi-shaped target
+  # its servers' startup timeout comes from the bench's own cap, not the tests' (unless one was given)
+  local cap=$(( $(left) - 30 ))
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$1 step bench $(( $(left) - 30 )) python3 benchmarks/bench_server.py \
+  CUDA_VISIBLE_DEVICES=$1 KDTREE_CUDA_STARTUP_TIMEOUT=${STARTUP_GIVEN:-$(( cap > 240 ? cap - 120 : cap / 2 ))} \
+    step bench "$cap" python3 benchmarks/bench_server.py \
     --variant "${BENCH_VARIANT:-kimi}" --batches 1 8 32 --budget 64 --new-tokens 64 \
     --repeats "${BENCH_REPEATS:-2}" --out "$LOGS/bench" ${BENCH_KINDS:+--kinds $BENCH_KINDS} ${BENCH_ARGS:-}
 }
