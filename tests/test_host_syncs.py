@@ -78,8 +78,6 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     # startup
     ("prewarm.py", "prewarm_round", ".synchronize()"): (2, "startup (the round's rehearsal)"),
     ("moe/weights.py", "pack_int4", "bool(.any())"): (1, "startup (weight packing)"),
-    ("gpu/compact.py", "kv_layer_table", "host tensor .to(device)"):
-        (1, "startup: a KV pool's layer pointer table, built once per pool"),
     ("gpu/runtime.py", "launch", ".item()"): (1, "numpy scalars of a kernel launch's arguments (host values)"),
 }
 

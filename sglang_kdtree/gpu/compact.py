@@ -103,7 +103,10 @@ def kv_layer_table(buffers) -> KVLayerTable:
         unit //= 2
     if unit == 8:
         unit = 4  # no 8-byte kernel variant; 4 divides whatever 8 divides
-    table = torch.tensor(ptrs, dtype=torch.int64).to(first.device)
+    # built lazily inside the first round that moves KV: a pinned, asynchronous upload keeps that round free of a
+    # host sync (torch's pinned-memory allocator keeps the host copy until the copy has run)
+    host = torch.tensor(ptrs, dtype=torch.int64)
+    table = host.pin_memory().to(first.device, non_blocking=True) if first.is_cuda else host.to(first.device)
     return KVLayerTable(
         layer_ptrs=table,
         num_layers=len(buffers),
