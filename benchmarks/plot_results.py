@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import plot_kimi_round
+from benchmarks import plot_kimi_round, server_kinds
 
 #: the baselines' line styles; every other kind (kdtree, kdtree-64, kdtree-auto, ...) is a KDTREE line
 BASELINES = {"plain": ("plain (autoregressive)", "tab:gray", "s--"), "dflash": ("DFLASH", "tab:orange", "^--")}
@@ -50,7 +50,10 @@ def server_series(bench: dict, figure: str = "tok_s_per_request") -> tuple[list[
 
 
 def kind_label(kind: str, budget) -> str:
-    """A server kind as a reader names it: ``kdtree-15`` is budget 15, ``kdtree-auto`` the automatic width."""
+    """A server kind as a reader names it: ``kdtree-15`` is budget 15, ``kdtree-auto`` the automatic width,
+    ``kdtree-63-overlap`` budget 63 on the overlap scheduler."""
+    if server_kinds.overlapped(kind):
+        return kind_label(kind.removesuffix(server_kinds.OVERLAP_SUFFIX), budget) + ", overlap on"
     if kind == "kdtree":
         return f"KDTREE budget {budget}" if budget else "KDTREE"
     rest = kind.removeprefix("kdtree-")
