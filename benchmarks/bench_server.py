@@ -41,7 +41,9 @@ of ``--new-tokens`` tokens each (``ignore_eos``); per server it reports tokens/s
 requests and repeats), aggregate tokens/s, and the mean accept length from SGLang's ``spec_accept_length``.
 With ``--idle-steps N``, every server then profiles N decode steps at each ``--idle-batches`` size and reports the
 GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
-servers in the same run.
+servers in the same run. With ``--latency-split`` every server starts with ``--enable-metrics`` (SGLang's
+per-request time stats), and each row adds the requests' median first-token latency and decode rate after it:
+whether a server loses its time per request before the first token or while decoding.
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ def _kind_budget(kind: str, budget: int) -> int | None:
     return None if server_kinds.chooses_width(kind) else (server_kinds.pinned_budget(kind) or budget)
 
 
-def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: bool = True) -> list[str]:
+def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: bool = True,
+              latency_split: bool = False) -> list[str]:
     args = cuda_servers.server_args(variant, port, kdtree=kind.startswith("kdtree"), cuda_graph=True)
+    if latency_split:  # every server alike: SGLang then reports each request's first-token latency and decode rate
+        args.append("--enable-metrics")
     i = args.index("--speculative-num-draft-tokens") if "--speculative-num-draft-tokens" in args else None
     if kind.startswith("kdtree"):
         pinned = _kind_budget(kind, budget)
@@ -116,7 +121,8 @@ def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: boo
     return args
 
 
-def start(variant, kinds, budget: int, out: Path, widths: str | None = None, baselines_overlap: bool = True) -> dict:
+def start(variant, kinds, budget: int, out: Path, widths: str | None = None, baselines_overlap: bool = True,
+          latency_split: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     servers = {}
     for kind in kinds:
@@ -143,7 +149,7 @@ def start(variant, kinds, budget: int, out: Path, widths: str | None = None, bas
             env["SGLANG_KDTREE_MLA"] = "off"
             env["KDTREE_DUMP_VERIFY"] = str(out / "dump-sglang")
         server = cuda_servers.CudaServer(kind, _args_for(kind, variant, cuda_servers.free_port(), budget,
-                                                         baselines_overlap), out / f"{kind}.log", env)
+                                                         baselines_overlap, latency_split), out / f"{kind}.log", env)
         server.round_log = round_log
         servers[kind] = server
     return servers
@@ -186,7 +192,7 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
         for kind, server in servers.items():
             run_batch(server, batch, new_tokens)  # warm-up (graph sizes, allocator)
             start_line = _log_len(server)
-            per_request, walls, accepts = [], [], []
+            per_request, walls, accepts, first_token, decode = [], [], [], [], []
             for _ in range(repeats):
                 wall, results = run_batch(server, batch, new_tokens)
                 walls.append(wall)
@@ -196,12 +202,17 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
                     per_request.append(len(r["output_ids"]) / latency)
                     if meta.get("spec_accept_length") is not None:
                         accepts.append(float(meta["spec_accept_length"]))
+                    if meta.get("first_token_latency") is not None and meta.get("decode_throughput") is not None:
+                        first_token.append(float(meta["first_token_latency"]) * 1e3)
+                        decode.append(float(meta["decode_throughput"]))
             row = {
                 "tok_s_per_request": statistics.median(per_request),
                 "tok_s_total": bs * new_tokens * repeats / sum(walls),
                 "accept_len": statistics.fmean(accepts) if accepts else 1.0,
                 "runs": repeats,
             }
+            if first_token:  # --latency-split: the request's wait for its first token, then its decode rate
+                row.update(first_token_ms=statistics.median(first_token), decode_tok_s=statistics.median(decode))
             rounds = _rounds(server, start_line, bs)
             if rounds:
                 split = {p: statistics.median(r["ms"][p] for r in rounds) for p in PHASES}
@@ -332,6 +343,11 @@ def format_table(table: dict, depths: int, vocab: int) -> str:
                 lines.append(f"widths chosen, bs {bs}, {kind}: " + "; ".join(
                     f"{w}: {x['rounds']} rounds, accept predicted {x['predicted']:.2f} realised {x['realised']:.2f}"
                     for w, x in r["widths"].items()))
+    split = [(bs, kind, r) for bs, rows in table.items() for kind, r in rows.items() if "first_token_ms" in r]
+    if split:
+        lines += ["", "per request, median: first-token latency ms / decode tokens/s after it (--latency-split)",
+                  "| bs | server | first token ms | decode tok/s |", "|---|---|---|---|"]
+        lines += [f"| {bs} | {kind} | {r['first_token_ms']:.1f} | {r['decode_tok_s']:.1f} |" for bs, kind, r in split]
     steps = [(bs, kind, r["steps_ms"]) for bs, rows in table.items() for kind, r in rows.items() if "steps_ms" in r]
     if steps:
         names = list(dict.fromkeys(n for _, _, st in steps for n in st["ms"]))
@@ -362,10 +378,14 @@ def main(argv=None) -> int:
                     help="after the timing, profile this many decode steps per server at each --idle-batches size "
                          "and report the GPU's idle time between rounds (benchmarks/idle_gaps.py; default 0: off)")
     ap.add_argument("--idle-batches", type=int, nargs="+", default=[1, 32], help="batch sizes of the idle trace")
+    ap.add_argument("--latency-split", action="store_true",
+                    help="start every server with --enable-metrics and report each request's first-token latency "
+                         "and decode rate (medians) beside its tokens/s: where a server's time per request goes")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]
-    servers = start(variant, args.kinds, args.budget, args.out, args.widths, not args.baselines_no_overlap)
+    servers = start(variant, args.kinds, args.budget, args.out, args.widths, not args.baselines_no_overlap,
+                    args.latency_split)
     try:
         failed = cuda_servers.wait_all(servers)
         for name, err in failed.items():
@@ -382,6 +402,7 @@ def main(argv=None) -> int:
     (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
                                                      "widths": args.widths, "new_tokens": args.new_tokens,
                                                      "baselines_overlap": not args.baselines_no_overlap,
+                                                     "latency_split": args.latency_split,
                                                      "gc_frozen": gc_frozen, "table": table,
                                                      "idle": idle}, indent=1))
     depths, vocab = _geometry(variant)

@@ -222,3 +222,29 @@ def test_mla_check_reads_the_check_servers_last_record_and_judges_it(tmp_path):
     assert bench.format_check(check).endswith("PASS)")
     assert bench.format_check(dict(check, max_rel=0.02)).endswith("FAIL)")
     assert bench.format_check(dict(check, calls=0, max_rel=0.0)).endswith("FAIL)")  # nothing compared is no pass
+
+
+def test_latency_split_starts_every_server_with_metrics_and_reports_first_token_and_decode(tmp_path):
+    bench = _load()
+    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
+                                    tp=1)
+    for kind in ("plain", "dflash", "kdtree-63", "kdtree-63-overlap"):
+        assert "--enable-metrics" in bench._args_for(kind, variant, 1, budget=64, latency_split=True)
+        assert "--enable-metrics" not in bench._args_for(kind, variant, 1, budget=64)
+    # per call (first token s, decode tok/s): the warm-up batch's, then the two timed batches' of one request each
+    stats = iter([(9.0, 1.0), (0.010, 500.0), (0.030, 300.0)])
+
+    def generate(payload):
+        first, rate = next(stats)
+        return {"output_ids": [0] * payload["sampling_params"]["max_new_tokens"],
+                "meta_info": {"e2e_latency": 0.1, "first_token_latency": first, "decode_throughput": rate}}
+
+    timed = types.SimpleNamespace(generate=generate, round_log=None)
+    without_stats = types.SimpleNamespace(round_log=None,
+                                          generate=lambda payload: {"output_ids": [0], "meta_info": {"e2e_latency": 0.1}})
+    table = bench.measure({"kdtree-63-overlap": timed, "plain": without_stats}, [1], new_tokens=4, repeats=2)
+    row = table["1"]["kdtree-63-overlap"]
+    assert row["first_token_ms"] == pytest.approx(20.0) and row["decode_tok_s"] == pytest.approx(400.0)
+    assert "first_token_ms" not in table["1"]["plain"]  # a server without the stats keeps the plain row
+    split = bench.format_table(table, 15, 163840).split("first-token latency")[1]
+    assert "| 1 | kdtree-63-overlap | 20.0 | 400.0 |" in split and "plain" not in split
