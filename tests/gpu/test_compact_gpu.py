@@ -178,6 +178,22 @@ def test_unaligned_rows_single_tensor(dtype_name, dim, unit):
     _check_compact(kv.cpu().numpy(), plan, table, list(kv.unbind(0)))
 
 
+def test_the_layer_table_is_built_without_a_host_sync():
+    """It is built lazily inside a decode round, which on the overlap scheduler must not wait for the device:
+    torch's sync detector raises on any synchronising call; the table's pointers are checked on the device."""
+    torch = _torch()
+    from sglang_kdtree.gpu.compact import kv_layer_table
+
+    bufs = [torch.zeros(64, 1, 576, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        table = kv_layer_table(bufs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert table.layer_ptrs.tolist() == [b.data_ptr() for b in bufs]
+
+
 def test_out_of_range_slot_is_flagged_and_not_written():
     torch = _torch()
     from sglang_kdtree.gpu.compact import kv_layer_table
