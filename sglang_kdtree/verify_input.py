@@ -16,36 +16,44 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 CHECK_HOST_LENS_ENV = "KDTREE_CHECK_HOST_LENS"
 
 
-class _RoundReadsHostLens:
-    """Stands for the round among the worker's ``spec_v2_attn_backends``: SGLang's overlap scheduler publishes
-    ``seq_lens_cpu`` only when one of those declares ``needs_cpu_seq_lens`` (``decide_needs_cpu_seq_lens``), and
-    Triton and FA3 declare False, but the round itself reads them (``host_prefix_lens``)."""
+def host_prefix_lens(batch, kv_reserve: int, check: bool = False) -> tuple[torch.Tensor, int]:
+    """``(P on the host [bs] int64, its sum)``: each request's committed length P, or an upper bound of it, with no
+    device read and no wait.
 
-    needs_cpu_seq_lens = True
+    * **Exact** when SGLang has set ``batch.seq_lens_cpu``: without overlap ``DFlashDraftInputV2.prepare_for_decode``
+      writes each request's ``kv_committed_len``, which processing the previous round's result advanced by its
+      ``accept_lens``; with overlap ``FutureMap.resolve_seq_lens_cpu`` copies the published lengths when an attention
+      backend asks for them (``needs_cpu_seq_lens``: torch_native, flashinfer), waiting for the previous round's
+      accept to do so.
+    * **An upper bound** when it has not (overlap on Triton or FA3, which ask for none, so SGLang issues this round
+      without waiting for the last one): the KV length ``prepare_for_decode`` reserved for this round
+      (``draft_input.nxt_kv_lens_cpu``) less the round's KV window ``kv_reserve``. That reservation is at least the
+      committed length plus ``2 * kv_reserve`` (``patches/decode_reserve.py``), and P exceeds the committed length
+      by at most one round's accept (``<= kv_reserve``), so ``P + kv_reserve <= nxt``. DFLASH's own V2 round plans
+      with the same reservation when it has no host lengths.
 
-
-ROUND_READS_HOST_LENS = _RoundReadsHostLens()
-
-
-def host_prefix_lens(batch, check: bool = False) -> tuple[torch.Tensor, int]:
-    """``(P on the host [bs] int64, sum(P))`` from SGLang's ``batch.seq_lens_cpu``, with no device read.
-
-    SGLang keeps it exact when the worker is called: without overlap ``DFlashDraftInputV2.prepare_for_decode``
-    writes each request's ``kv_committed_len``, which processing the previous round's result advanced by its
-    ``accept_lens`` (the device ``seq_lens`` is that round's ``new_seq_lens = P + accept_lens``); with overlap
-    ``FutureMap.resolve_seq_lens_cpu`` overwrites it with the published lengths (which it copies because the
-    worker lists ``ROUND_READS_HOST_LENS``; without it, it is None and this raises). ``check`` compares it
-    with the device lengths."""
+    The round uses the host lengths only to size: the FULL_MASK's buffer (``gpu/verify.full_mask_numel``), the KV
+    plans and the attention metadata, which take an upper bound (DFLASH passes them one); every row is placed from
+    the device lengths. ``check`` (a sync; the e2e tests) compares with the device lengths: equal, or not above the
+    bound."""
     lens_cpu = batch.seq_lens_cpu
-    if lens_cpu is None:
-        raise RuntimeError("KDTREE needs the batch's host lengths (seq_lens_cpu) at the round's start; SGLang "
-                           "left them unset (an attention backend that declares needs_cpu_seq_lens=False)")
+    exact = lens_cpu is not None
+    if not exact:
+        reserved = getattr(batch.spec_info, "nxt_kv_lens_cpu", None)
+        if reserved is None or reserved.numel() != batch.seq_lens.shape[0]:
+            raise RuntimeError("KDTREE needs the batch's host lengths at the round's start: SGLang set neither "
+                               "seq_lens_cpu nor, for this batch, the reserved lengths (nxt_kv_lens_cpu)")
+        lens_cpu = reserved.to(torch.int64) - int(kv_reserve)
     lens_cpu = lens_cpu.to(torch.int64)
     if check:
         device_lens = batch.seq_lens.to("cpu", torch.int64)
-        if not torch.equal(device_lens, lens_cpu) or batch.seq_lens_sum not in (None, int(lens_cpu.sum())):
-            raise AssertionError(f"KDTREE: SGLang's host lengths {lens_cpu.tolist()} (sum {batch.seq_lens_sum}) "
-                                 f"differ from the device's {device_lens.tolist()}")
+        if exact:
+            bad = not torch.equal(device_lens, lens_cpu) or batch.seq_lens_sum not in (None, int(lens_cpu.sum()))
+        else:
+            bad = bool((device_lens > lens_cpu).any())
+        if bad:
+            raise AssertionError(f"KDTREE: the host lengths {lens_cpu.tolist()} ({'exact' if exact else 'a bound'}, "
+                                 f"sum {batch.seq_lens_sum}) do not match the device's {device_lens.tolist()}")
     return lens_cpu, int(lens_cpu.sum())
 
 
@@ -63,7 +71,8 @@ def tree_verify_batch(target_worker, batch, verify, verify_slots, prefix_lens, p
                       width: int):
     """The TARGET_VERIFY forward batch of a round: the N rows of ``verify`` (``contract.VerifyInputs``) per
     request, written into KV slots ``verify_slots`` ``[bs, N]`` (``req_to_token[req, P:P+N]``) after the
-    committed prefixes ``prefix_lens`` (``prefix_cpu`` their host copy, ``prefix_sum`` its sum). Returns
+    committed prefixes ``prefix_lens`` (``prefix_cpu`` their host copy or its upper bound, ``host_prefix_lens``;
+    ``prefix_sum`` its sum). Returns
     ``(forward_batch, kv_plan)``; the round's drafter write reads ``kv_plan`` too. ``batch.out_cache_loc`` is left
     at the verify slots; its host lengths are put back."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode

@@ -32,8 +32,9 @@ Which implementation runs steps 2-3, 5 and 6 is decided in one place, ``sglang_k
 block, vocabulary) is ``self.geometry``, published for the patches with ``state.publish``.
 
 Overlap scheduling (``spec.SUPPORTS_OVERLAP``; on unless ``--disable-overlap-schedule``): SGLang issues round k+1
-while round k runs, so the round never waits for the device. Its host lengths are SGLang's own
-(``verify_input.host_prefix_lens``; ``spec_v2_attn_backends`` asks for them), ``on_publish(new_seq_lens)`` hands
+while round k runs, so the round never waits for the device. Its host lengths are SGLang's own, or on Triton and
+FA3, which ask SGLang for none, an upper bound from the KV reserved for the round (``verify_input.host_prefix_lens``:
+then SGLang does not wait for round k's accept before issuing round k+1), ``on_publish(new_seq_lens)`` hands
 the next round its lengths as soon as the accept is issued, its fault words are read where SGLang reads its
 results (``on_verify_complete_cpu``) and the width choice times it with device events, settled before the next
 choice (``width_choice``); no host sync is left on the round's path (``tests/test_host_syncs.py`` lists the rest).
@@ -80,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang
     raise ImportError(f"sglang_kdtree.worker needs SGLang 0.5.23's DFlashWorkerV2: {exc}") from exc
 
 from sglang_kdtree.verify_input import (  # noqa: E402,F401  (KDTreeVerifyInput, tree_verify_batch: re-exported)
-    CHECK_HOST_LENS_ENV, ROUND_READS_HOST_LENS, KDTreeVerifyInput, host_prefix_lens, tree_verify_batch)
+    CHECK_HOST_LENS_ENV, KDTreeVerifyInput, host_prefix_lens, tree_verify_batch)
 
 #: ``off`` keeps the GPU round's bookkeeping out of CUDA graphs (``gpu/round_graphs.py``)
 TREE_GRAPH_ENV = "SGLANG_KDTREE_TREE_GRAPH"
@@ -110,8 +111,8 @@ class _Round:
     batch: object
     draft_input: object  # SGLang's DFlashDraftInputV2: the bonus tokens (the trees' roots)
     prefix_lens: torch.Tensor  # [bs] int64 committed lengths P
-    prefix_cpu: torch.Tensor  # the same on the host (SGLang's seq_lens_cpu: verify_input.host_prefix_lens)
-    prefix_sum: int  # sum(P)
+    prefix_cpu: torch.Tensor  # the same on the host, or an upper bound (verify_input.host_prefix_lens)
+    prefix_sum: int  # sum(prefix_cpu)
     marks: RoundMarks
     faults: dict | None  # test-only fault injection (round_faults.read_test_faults); None: off
     shape: RoundShape  # the tree's budget and this round's verify width (width_choice.WidthChooser)
@@ -201,10 +202,6 @@ class KDTreeWorker(DFlashWorkerV2):
         with self._draft_geometry(self.block_size):
             super().init_attention_backends()
 
-    @property
-    def spec_v2_attn_backends(self) -> tuple:
-        return (*super().spec_v2_attn_backends, ROUND_READS_HOST_LENS)
-
     def init_cuda_graphs(self):
         with self._draft_geometry(self.block_size):
             super().init_cuda_graphs()
@@ -267,7 +264,7 @@ class KDTreeWorker(DFlashWorkerV2):
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("KDTREE expected DFlashDraftInputV2 state on the running batch")
         prefix_lens = batch.seq_lens.to(torch.int64)
-        prefix_cpu, prefix_sum = host_prefix_lens(batch, check=self._check_host_lens)
+        prefix_cpu, prefix_sum = host_prefix_lens(batch, self.geometry.kv_reserve, check=self._check_host_lens)
         self.chooser.settle()  # the earlier rounds whose statistics have landed; nothing waits for the others
         width = self.chooser.choose(len(prefix_cpu), prefix_sum)
         if self._tp_width_group is not None:

@@ -358,11 +358,15 @@ def _round_start_worker():
     return worker
 
 
-def _decode_batch(seq_lens, seq_lens_cpu, seq_lens_sum=None):
+def _decode_batch(seq_lens, seq_lens_cpu, seq_lens_sum=None, reserved=None):
+    """A decode batch as the round sees it: ``reserved`` is the KV length SGLang reserved per request
+    (``DFlashDraftInputV2.nxt_kv_lens_cpu``, set by its ``prepare_for_decode``)."""
     from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
-    return types.SimpleNamespace(spec_info=DFlashDraftInputV2.create_idle_input("cpu"), seq_lens=seq_lens,
-                                 seq_lens_cpu=seq_lens_cpu, seq_lens_sum=seq_lens_sum)
+    draft_input = DFlashDraftInputV2.create_idle_input("cpu")
+    draft_input.nxt_kv_lens_cpu = reserved
+    return types.SimpleNamespace(spec_info=draft_input, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu,
+                                 seq_lens_sum=seq_lens_sum)
 
 
 def test_the_round_takes_its_host_lengths_from_sglang_without_reading_the_device():
@@ -376,22 +380,67 @@ def test_the_round_takes_its_host_lengths_from_sglang_without_reading_the_device
         worker._begin_round(batch)
 
 
+def test_without_published_host_lengths_the_round_plans_with_the_reserved_kv_less_its_window():
+    """Overlap on Triton / FA3: SGLang sets no ``seq_lens_cpu``; the round's host lengths are the reserved KV less
+    ``kv_reserve`` (8 here: max(N = 8, block = 4)), still without reading the device."""
+    worker = _round_start_worker()
+    assert worker.geometry.kv_reserve == 8
+    batch = _decode_batch(torch.tensor([5, 9, 1], device="meta"), None, reserved=torch.tensor([21, 25, 17]))
+    rnd = worker._begin_round(batch)
+    assert rnd.prefix_cpu.tolist() == [13, 17, 9] and rnd.prefix_sum == 39
+
+
+def _reserve_as_sglang_does(committed: int, kv_reserve: int) -> int:
+    """The KV length SGLang reserves for a request whose host knows ``committed`` tokens: its own
+    ``page_aligned_decode_alloc_lens`` with the reserve ``patches/decode_reserve.py`` makes it use (page size 1)."""
+    from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
+
+    req = types.SimpleNamespace(kv=types.SimpleNamespace(kv_allocated_len=committed, kv_committed_len=committed))
+    return page_aligned_decode_alloc_lens([req], reserve=2 * kv_reserve, page_size=1)[1][0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_bound_covers_every_length_one_unprocessed_round_can_reach(seed):
+    """Under overlap the host has processed the rounds up to k-1 when it reserves for round k+1; round k then
+    commits 1..C tokens. The bound from SGLang's own reservation is at least P whatever round k accepted, and the
+    round's window P..P+kv_reserve lies inside the reservation."""
+    from sglang_kdtree.state import Geometry
+    from sglang_kdtree.verify_input import host_prefix_lens
+
+    gen = torch.Generator().manual_seed(seed)
+    for budget, block in ((7, 16), (15, 16), (63, 16), (3, 4)):
+        geometry = Geometry(budget=budget, block_size=block, vocab_size=10)
+        committed = torch.randint(1, 4000, (16,), generator=gen)
+        accepted = torch.randint(1, geometry.commit_width + 1, (16,), generator=gen)
+        accepted[0] = geometry.commit_width  # the longest accept, every time
+        reserved = torch.tensor([_reserve_as_sglang_does(int(c), geometry.kv_reserve) for c in committed])
+        true_lens = committed + accepted
+        batch = _decode_batch(true_lens, None, reserved=reserved)
+        bound, total = host_prefix_lens(batch, geometry.kv_reserve, check=True)
+        assert bool((bound >= true_lens).all()) and total == int(bound.sum())
+        assert bool((true_lens + geometry.kv_reserve <= reserved).all())
+
+
 def test_the_host_lengths_check_catches_a_stale_host_copy():
     from sglang_kdtree.verify_input import host_prefix_lens
 
     exact = _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=14)
-    assert host_prefix_lens(exact, check=True)[1] == 14
+    assert host_prefix_lens(exact, 8, check=True)[1] == 14
     for stale in (_decode_batch(torch.tensor([5, 9]), torch.tensor([4, 9])),
-                  _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=12)):
+                  _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=12),
+                  _decode_batch(torch.tensor([5, 9]), None, reserved=torch.tensor([13, 16]))):
         with pytest.raises(AssertionError, match="host lengths"):
-            host_prefix_lens(stale, check=True)
-    with pytest.raises(RuntimeError, match="seq_lens_cpu"):
-        host_prefix_lens(_decode_batch(torch.tensor([5]), None))
+            host_prefix_lens(stale, 8, check=True)
+    for missing in (_decode_batch(torch.tensor([5]), None), _decode_batch(torch.tensor([5]), None,
+                                                                          reserved=torch.tensor([20, 20]))):
+        with pytest.raises(RuntimeError, match="seq_lens_cpu"):
+            host_prefix_lens(missing, 8)
 
 
-def test_the_overlap_scheduler_publishes_host_lengths_even_when_every_attention_backend_opts_out():
-    """Triton and FA3 declare ``needs_cpu_seq_lens = False``; SGLang's own decision over the worker's backends
-    must still publish ``seq_lens_cpu``, which the round reads (``host_prefix_lens``)."""
+def test_the_overlap_scheduler_does_not_wait_for_host_lengths_when_every_attention_backend_opts_out():
+    """Triton and FA3 declare ``needs_cpu_seq_lens = False``: by SGLang's own decision over the worker's backends
+    the overlap scheduler then publishes no ``seq_lens_cpu`` and so does not wait for the previous round's accept
+    (the round plans with its bound); torch_native asks for them."""
     from sglang.srt.managers import overlap_utils
 
     from sglang_kdtree.worker import KDTreeWorker
@@ -400,12 +449,12 @@ def test_the_overlap_scheduler_publishes_host_lengths_even_when_every_attention_
     opted_out = types.SimpleNamespace(needs_cpu_seq_lens=False)
     worker._target_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=opted_out))
     worker.draft_model_runner = types.SimpleNamespace(attn_backend=opted_out)
-    backends = worker.spec_v2_attn_backends
-    assert backends[:2] == (opted_out, opted_out)
     spec = types.SimpleNamespace(speculative_algorithm="DFLASH")  # any but ngram, which always publishes
     exec_ = types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(overlap_utils, "get_spec", lambda: spec)
         mp.setattr(overlap_utils, "get_exec", lambda: exec_)
-        assert overlap_utils.decide_needs_cpu_seq_lens(backends)
-        assert not overlap_utils.decide_needs_cpu_seq_lens(backends[:2])
+        assert not overlap_utils.decide_needs_cpu_seq_lens(worker.spec_v2_attn_backends)
+        asks = types.SimpleNamespace(needs_cpu_seq_lens=True)
+        worker.draft_model_runner = types.SimpleNamespace(attn_backend=asks)
+        assert overlap_utils.decide_needs_cpu_seq_lens(worker.spec_v2_attn_backends)
