@@ -68,6 +68,9 @@ PHASES = ("draft", "tree", "verify", "accept_commit")
 OWN_STEPS = ("tree_prep", "tree_step", "topk", "build", "verify_inputs", "accept_commit_kv", "accept", "commit",
              "accept_commit")
 SGLANG_STEPS = ("prepare", "features")
+#: tokens each traced request may generate per profiled step: more than any round commits (a round commits at most
+#: block_size tokens, 16 here), so every request outlasts the window, and 30 steps still fit the 4,096-token context
+IDLE_TOKENS_PER_STEP = 64
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12
 #: the fused MLA kernel's verify logits vs SGLang's, relative to the largest |logit|: both run bf16 matmuls
@@ -393,7 +396,7 @@ def main(argv=None) -> int:
             servers.pop(name)
         table = measure(servers, args.batches, args.new_tokens, args.repeats)
         idle = idle_gaps.trace_servers(
-            servers, args.idle_batches, args.idle_steps, max(512, 8 * args.new_tokens), args.out / "traces",
+            servers, args.idle_batches, args.idle_steps, IDLE_TOKENS_PER_STEP * args.idle_steps, args.out / "traces",
             batch_of) if args.idle_steps else {}
     finally:
         for server in servers.values():

@@ -106,16 +106,22 @@ def _stream_one(url: str, payload: dict, first_token: threading.Event) -> None:
     first_token.set()
 
 
-def _wait_for_trace(folder: Path, profile_id: str, timeout: float) -> Path:
-    """The trace SGLang writes once the profiled steps are done (``{profile_id}-TP-0.trace.json.gz``), once whole."""
+def _wait_for_trace(folder: Path, profile_id: str, timeout: float, decoding=lambda: True) -> Path:
+    """The trace SGLang writes once the profiled steps are done (``{profile_id}-TP-0.trace.json.gz``), once whole.
+    Raises as soon as ``decoding()`` is False with no trace: the batch ended before the profiled window did (SGLang
+    then never writes it)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        ended = not decoding()
         for path in folder.glob(f"{profile_id}-TP-*.trace.json*"):
             try:
                 read_trace(path)
                 return path
             except (EOFError, OSError, ValueError):  # still being written
                 pass
+        if ended:
+            raise RuntimeError(f"every request ended before the profiled window {profile_id} did (new_tokens too few, "
+                               "or the requests were refused: see the server's log)")
         time.sleep(0.5)
     raise TimeoutError(f"no complete trace {profile_id}-TP-*.trace.json* in {folder} after {timeout:.0f} s")
 
@@ -138,7 +144,8 @@ def profile_decode(url: str, batch: list[list[int]], new_tokens: int, steps: int
                 raise TimeoutError(f"{url}: not every request of the batch of {len(batch)} started decoding")
         _post(url + "/start_profile", {"output_dir": str(folder), "num_steps": steps, "activities": list(activities),
                                        "with_stack": False, "record_shapes": False, "profile_id": profile_id})
-        path = _wait_for_trace(folder, profile_id, max(10.0, deadline - time.time()))
+        path = _wait_for_trace(folder, profile_id, max(10.0, deadline - time.time()),
+                               decoding=lambda: not all(f.done() for f in futures))
         for fut in futures:
             fut.result()
     return path, analyse(read_trace(path), steps)

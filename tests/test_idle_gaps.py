@@ -82,3 +82,16 @@ def test_read_trace_reads_gzipped_chrome_traces(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": [_kernel(0, 4), _kernel(10, 4)]}, f)
     assert idle_gaps.analyse(idle_gaps.read_trace(path), steps=1)["idle_ms"] == pytest.approx(0.006)
+
+
+def test_waiting_for_a_trace_stops_when_the_batch_ends_before_the_window(tmp_path):
+    """Requests that end early (refused, or too few new tokens) never let SGLang write the trace: the wait says so
+    at once instead of running out its timeout."""
+    import time
+
+    start = time.time()
+    with pytest.raises(RuntimeError, match="ended before the profiled window"):
+        idle_gaps._wait_for_trace(tmp_path, "x-bs1", timeout=60, decoding=lambda: False)
+    assert time.time() - start < 5
+    with pytest.raises(TimeoutError):
+        idle_gaps._wait_for_trace(tmp_path, "x-bs1", timeout=0.6)
