@@ -135,7 +135,8 @@ def test_launch_reads_the_example_env_file(tmp_path):
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "65"
     assert argv[argv.index("--attention-backend") + 1] == "fa3"
     assert "--speculative-dflash-block-size" not in argv  # empty: the drafter's own block size
-    assert argv[-6:] == ["--trust-remote-code", "--disable-overlap-schedule", "--host", "0.0.0.0", "--port", "30000"]
+    assert argv[-5:] == ["--trust-remote-code", "--host", "0.0.0.0", "--port", "30000"]
+    assert "--disable-overlap-schedule" not in argv  # SGLang's overlap scheduler, its default
 
 
 def test_env_example_python_is_the_venv_that_the_readme_creates():
