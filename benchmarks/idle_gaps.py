@@ -10,7 +10,8 @@ so this measures them directly rather than inferring them from tokens/s:
    CPU ops, stacks or shapes: the profiler's own host cost would otherwise widen the gaps it measures) and
    writes a Chrome trace;
 3. ``analyse`` takes the device's kernel, memcpy and memset intervals, merges those that overlap (several
-   streams), and reports the window, the busy time and the idle time, per step and as gap sizes.
+   streams), and reports the window, the busy time and the idle time, per step and as gap sizes; from the CUDA API
+   events CUPTI records alongside, ``host_calls`` reports the host's time in CUDA calls, waiting and issuing.
 
 Used by ``benchmarks/bench_server.py --idle-steps N`` on servers it has already timed (same run, same servers).
 The trace files are kept (``traces/``): ``chrome://tracing`` or Perfetto open them.
@@ -56,6 +57,36 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in merged]
 
 
+#: host-side CUDA API events, which CUPTI records with the device activity (no CPU profiling needed)
+HOST_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
+#: API calls in which the calling host thread waits for the device
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cuEventSynchronize",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cudaMemcpy", "cudaMemcpy2D")
+#: API calls that put work on the device (a CUDA graph's launch counts once)
+HOST_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                 "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def host_calls(events: list[dict], steps: int) -> dict:
+    """Per step, from the trace's CUDA API events: the host's time inside CUDA calls, the part of it spent waiting
+    for the device (``HOST_WAITS``), and the work it issued (``HOST_LAUNCHES``), summed over the host threads. Where
+    a host-paced round's time goes: an overlapped round that waits in the scheduler shows it here."""
+    api_us = wait_us = 0.0
+    launches = 0
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("cat") not in HOST_API_CATEGORIES:
+            continue
+        dur = float(ev.get("dur", 0))
+        api_us += dur
+        if ev.get("name") in HOST_WAITS:
+            wait_us += dur
+        elif ev.get("name") in HOST_LAUNCHES:
+            launches += 1
+    per = max(steps, 1)
+    return {"host_api_ms_per_step": api_us / 1e3 / per, "host_wait_ms_per_step": wait_us / 1e3 / per,
+            "launches_per_step": launches / per}
+
+
 def analyse(events: list[dict], steps: int) -> dict | None:
     """Window, busy and idle time (ms) of the device in ``events``, idle per step, and the gaps of at least
     ``GAP_US`` (count, median, largest, and their share of the idle time). None when the trace holds no device
@@ -79,6 +110,7 @@ def analyse(events: list[dict], steps: int) -> dict | None:
         "gap_median_us": long_gaps[len(long_gaps) // 2] if long_gaps else 0.0,
         "gap_max_us": long_gaps[-1] if long_gaps else 0.0,
         "long_gap_share_of_idle": sum(long_gaps) / idle_us if idle_us > 0 else 0.0,
+        **host_calls(events, steps),
     }
 
 
@@ -170,7 +202,8 @@ def trace_servers(servers: dict, batches, steps: int, new_tokens: int, folder: P
 
 def format_table(idle: dict) -> str:
     lines = ["| batch | server | steps | window ms | busy ms | idle ms | idle % | idle/step ms | gaps >= "
-             f"{GAP_US:g} us | median gap us | max gap us |", "|" + "---|" * 11]
+             f"{GAP_US:g} us | median gap us | max gap us | host in CUDA calls / waiting, ms/step | launches/step |",
+             "|" + "---|" * 13]
     for bs, rows in idle.items():
         for name, r in rows.items():
             if "error" in r:
@@ -178,5 +211,35 @@ def format_table(idle: dict) -> str:
                 continue
             lines.append(f"| {bs} | {name} | {r['steps']} | {r['window_ms']:.2f} | {r['busy_ms']:.2f} | "
                          f"{r['idle_ms']:.2f} | {100 * r['idle_fraction']:.1f} | {r['idle_per_step_ms']:.3f} | "
-                         f"{r['gaps']} | {r['gap_median_us']:.1f} | {r['gap_max_us']:.1f} |")
+                         f"{r['gaps']} | {r['gap_median_us']:.1f} | {r['gap_max_us']:.1f} | "
+                         f"{r.get('host_api_ms_per_step', 0):.2f} / {r.get('host_wait_ms_per_step', 0):.2f} | "
+                         f"{r.get('launches_per_step', 0):.0f} |")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Analyse traces already taken (``bench_server.py --idle-steps``' ``traces/``): ``<server>-bs<N>-TP-0.trace.json.gz``."""
+    import argparse
+    import re
+
+    ap = argparse.ArgumentParser(description="The GPU's idle time and the host's CUDA calls in profiled decode windows")
+    ap.add_argument("traces", type=Path, nargs="+", help="trace files named <server>-bs<N>-TP-<rank>.trace.json[.gz]")
+    ap.add_argument("--steps", type=int, required=True, help="the decode steps each trace profiled (--idle-steps)")
+    ap.add_argument("--json", type=Path, help="write {bs: {server: figures}} here")
+    args = ap.parse_args(argv)
+    idle: dict = {}
+    for path in args.traces:
+        m = re.match(r"(.+)-bs(\d+)-TP-\d+\.trace\.json", path.name)
+        if not m:
+            ap.error(f"{path.name}: not a <server>-bs<N>-TP-<rank>.trace.json[.gz] name")
+        figures = analyse(read_trace(path), args.steps) or {"error": "no device activity in the trace"}
+        idle.setdefault(m[2], {})[m[1]] = {**figures, "trace": path.name}
+    idle = {bs: idle[bs] for bs in sorted(idle, key=int)}
+    if args.json:
+        args.json.write_text(json.dumps(idle, indent=1))
+    print(format_table(idle))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -95,3 +95,33 @@ def test_waiting_for_a_trace_stops_when_the_batch_ends_before_the_window(tmp_pat
     assert time.time() - start < 5
     with pytest.raises(TimeoutError):
         idle_gaps._wait_for_trace(tmp_path, "x-bs1", timeout=0.6)
+
+
+def test_host_calls_sum_the_api_time_the_waits_and_the_launches_per_step():
+    """Against a hand count: two steps, one wait and three launches, device events and CPU ops left out."""
+    def api(name, dur, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0.0, "dur": dur, "pid": 1, "tid": 1}
+
+    events = [api("cudaLaunchKernel", 10.0), api("cuLaunchKernelEx", 20.0, "cuda_driver"), api("cudaGraphLaunch", 30.0),
+              api("cudaEventSynchronize", 1000.0), api("cudaStreamIsCapturing", 4.0),
+              {"ph": "X", "cat": "kernel", "name": "k", "ts": 0.0, "dur": 500.0, "pid": 0, "tid": 7},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 50.0, "pid": 1, "tid": 1},
+              {"ph": "i", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "pid": 1, "tid": 1}]
+    got = idle_gaps.host_calls(events, steps=2)
+    assert got == {"host_api_ms_per_step": pytest.approx(1064.0 / 1e3 / 2), "host_wait_ms_per_step": 0.5,
+                   "launches_per_step": 1.5}
+    assert idle_gaps.analyse(events, 2)["launches_per_step"] == 1.5
+
+
+def test_the_cli_reads_traces_by_their_names(tmp_path, capsys):
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": t, "dur": 10.0, "pid": 0, "tid": 7} for t in (0.0, 100.0)]
+    for name in ("kdtree-63-bs32-TP-0.trace.json.gz", "plain-bs1-TP-0.trace.json.gz"):
+        with gzip.open(tmp_path / name, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+    out = tmp_path / "idle.json"
+    assert idle_gaps.main([*map(str, sorted(tmp_path.glob("*.gz"))), "--steps", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data) == ["1", "32"] and data["32"]["kdtree-63"]["idle_ms"] == pytest.approx(0.09)
+    assert "| 1 | plain | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        idle_gaps.main([str(out), "--steps", "2"])
