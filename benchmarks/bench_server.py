@@ -68,8 +68,8 @@ PHASES = ("draft", "tree", "verify", "accept_commit")
 OWN_STEPS = ("tree_prep", "tree_step", "topk", "build", "verify_inputs", "accept_commit_kv", "accept", "commit",
              "accept_commit")
 SGLANG_STEPS = ("prepare", "features")
-#: tokens each traced request may generate per profiled step: more than any round commits (a round commits at most
-#: block_size tokens, 16 here), so every request outlasts the window, and 30 steps still fit the 4,096-token context
+#: tokens each traced request may generate per profiled step: more than a round commits (at most the drafter's
+#: block, 8 for the bench's drafters), so every request outlasts the window; 30 steps still fit a 4,096-token context
 IDLE_TOKENS_PER_STEP = 64
 #: device-to-device copy bandwidth measured on the H200 (benchmarks/RESULTS.md), for the bookkeeping floor
 HBM_BYTES_PER_S = 4.19e12
