@@ -43,7 +43,9 @@ With ``--idle-steps N``, every server then profiles N decode steps at each ``--i
 GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
 servers in the same run. With ``--latency-split`` every server starts with ``--enable-metrics`` (SGLang's
 per-request time stats), and each row adds the requests' median first-token latency and decode rate after it:
-whether a server loses its time per request before the first token or while decoding.
+whether a server loses its time per request before the first token or while decoding. With ``--host-times`` each
+KDTREE server times its decode rounds' host work inside the worker and around it (``sglang_kdtree/host_times.py``;
+no profiler): where an overlapped round's time goes on a host-paced target.
 """
 
 from __future__ import annotations
@@ -125,12 +127,15 @@ def _args_for(kind: str, variant, port: int, budget: int, baselines_overlap: boo
 
 
 def start(variant, kinds, budget: int, out: Path, widths: str | None = None, baselines_overlap: bool = True,
-          latency_split: bool = False) -> dict:
+          latency_split: bool = False, host_times: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     servers = {}
     for kind in kinds:
         env = dict(variant.env)
         round_log = None
+        if host_times and kind.startswith("kdtree"):
+            (out / f"{kind}.host_times.json").unlink(missing_ok=True)
+            env["KDTREE_HOST_TIMES"] = str(out / f"{kind}.host_times.json")
         if kind.startswith("kdtree-auto"):
             if widths:
                 env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
@@ -166,6 +171,29 @@ def _payload(prompt, new_tokens: int) -> dict:
 def batch_of(bs: int) -> list[list[int]]:
     """The ``bs`` prompts every server gets at batch size ``bs`` (timed batches and the idle trace alike)."""
     return cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]
+
+
+def read_host_times(servers: dict, out: Path) -> dict:
+    """``{kind: {bs: ...}}`` from each KDTREE server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/host_times.py``),
+    after one short request at batch 1 has made it write the last batch size it timed."""
+    found = {}
+    for kind, server in servers.items():
+        path = out / f"{kind}.host_times.json"
+        if kind.startswith("kdtree"):
+            run_batch(server, batch_of(1), 4)
+            if path.exists():
+                found[kind] = json.loads(path.read_text())
+    return found
+
+
+def format_host_times(host: dict) -> str:
+    lines = ["| batch | server | rounds | inside the worker ms | around it (scheduler) ms | round period ms |",
+             "|---|---|---|---|---|---|"]
+    for kind, per_bs in host.items():
+        for bs, r in per_bs.items():
+            cells = [f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("inside_ms", "outside_ms", "period_ms")]
+            lines.append(f"| {bs} | {kind} | {r['rounds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def run_batch(server, batch, new_tokens: int) -> tuple[float, list[dict]]:
@@ -384,17 +412,21 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-split", action="store_true",
                     help="start every server with --enable-metrics and report each request's first-token latency "
                          "and decode rate (medians) beside its tokens/s: where a server's time per request goes")
+    ap.add_argument("--host-times", action="store_true",
+                    help="every KDTREE server times its decode rounds' host work inside the worker and around it "
+                         "(KDTREE_HOST_TIMES, sglang_kdtree/host_times.py): medians over the timed batches")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]
     servers = start(variant, args.kinds, args.budget, args.out, args.widths, not args.baselines_no_overlap,
-                    args.latency_split)
+                    args.latency_split, args.host_times)
     try:
         failed = cuda_servers.wait_all(servers)
         for name, err in failed.items():
             print(f"{name} failed to start:\n{err}", file=sys.stderr)
             servers.pop(name)
         table = measure(servers, args.batches, args.new_tokens, args.repeats)
+        host = read_host_times(servers, args.out) if args.host_times else {}  # before the profiled steps
         idle = idle_gaps.trace_servers(
             servers, args.idle_batches, args.idle_steps, IDLE_TOKENS_PER_STEP * args.idle_steps, args.out / "traces",
             batch_of) if args.idle_steps else {}
@@ -407,11 +439,13 @@ def main(argv=None) -> int:
                                                      "baselines_overlap": not args.baselines_no_overlap,
                                                      "latency_split": args.latency_split,
                                                      "gc_frozen": gc_frozen, "table": table,
-                                                     "idle": idle}, indent=1))
+                                                     "idle": idle, "host_times": host}, indent=1))
     depths, vocab = _geometry(variant)
     print(format_table(table, depths, vocab))
     if idle:
         print("GPU idle time between rounds (profiled decode window):\n" + idle_gaps.format_table(idle))
+    if host:
+        print("KDTREE's host time per decode round (medians, timed batches):\n" + format_host_times(host))
     unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)
     print("garbage collector frozen after startup (as after SGLang's warm-up): "
           + ("every server" if not unfrozen else "NOT in " + ", ".join(unfrozen)))
