@@ -178,9 +178,9 @@ def read_host_times(servers: dict, out: Path) -> dict:
     after one short request at batch 1 has made it write the last batch size it timed."""
     found = {}
     for kind, server in servers.items():
-        path = out / f"{kind}.host_times.json"
         if kind.startswith("kdtree"):
             run_batch(server, batch_of(1), 4)
+            path = out / f"{kind}.host_times.json"
             if path.exists():
                 found[kind] = json.loads(path.read_text())
     return found

@@ -218,7 +218,8 @@ def format_table(idle: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """Analyse traces already taken (``bench_server.py --idle-steps``' ``traces/``): ``<server>-bs<N>-TP-0.trace.json.gz``."""
+    """Analyse traces already taken (``bench_server.py --idle-steps``' ``traces/``):
+    ``<server>-bs<N>-TP-0.trace.json.gz``."""
     import argparse
     import re
 

@@ -12,8 +12,8 @@ this takes two ``time.perf_counter()`` readings per decode round instead:
   batch size less than ``MAX_GAP_S`` apart (a gap across idle time or a new batch says nothing about the loop).
 
 Off unless ``KDTREE_HOST_TIMES`` names a file; then every ``FLUSH_EVERY`` rounds, when the batch size changes and at
-exit that file is rewritten with ``{batch size: {"rounds", "inside_ms", "outside_ms", "period_ms"}}``: medians over the last
-``WINDOW`` rounds of each size. Host wall time only: it runs on CPU servers too.
+exit that file is rewritten with ``{batch size: {"rounds", "inside_ms", "outside_ms", "period_ms"}}``: medians over
+the last ``WINDOW`` rounds of each size. Host wall time only: it runs on CPU servers too.
 """
 
 from __future__ import annotations
