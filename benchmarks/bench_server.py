@@ -43,9 +43,10 @@ With ``--idle-steps N``, every server then profiles N decode steps at each ``--i
 GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
 servers in the same run. With ``--latency-split`` every server starts with ``--enable-metrics`` (SGLang's
 per-request time stats), and each row adds the requests' median first-token latency and decode rate after it:
-whether a server loses its time per request before the first token or while decoding. With ``--host-times`` each
-KDTREE server times its decode rounds' host work inside the worker and around it (``sglang_kdtree/host_times.py``;
-no profiler): where an overlapped round's time goes on a host-paced target.
+whether a server loses its time per request before the first token or while decoding. With ``--host-times`` every
+server times its decode rounds' host work by step of SGLang's scheduler loop, KDTREE's round inside it and the
+loop's wait for the device (``sglang_kdtree/host_times.py``; no profiler): where an overlapped round's time goes on
+a host-paced target.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def start(variant, kinds, budget: int, out: Path, widths: str | None = None, bas
     for kind in kinds:
         env = dict(variant.env)
         round_log = None
-        if host_times and kind.startswith("kdtree"):
+        if host_times:
             (out / f"{kind}.host_times.json").unlink(missing_ok=True)
             env["KDTREE_HOST_TIMES"] = str(out / f"{kind}.host_times.json")
         if kind.startswith("kdtree-auto"):
@@ -174,24 +175,27 @@ def batch_of(bs: int) -> list[list[int]]:
 
 
 def read_host_times(servers: dict, out: Path) -> dict:
-    """``{kind: {bs: ...}}`` from each KDTREE server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/host_times.py``),
-    after one short request at batch 1 has made it write the last batch size it timed."""
+    """``{kind: {bs: ...}}`` from each server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/host_times.py``), after one
+    short request at batch 1 has made it write the last batch size it timed."""
     found = {}
     for kind, server in servers.items():
-        if kind.startswith("kdtree"):
-            run_batch(server, batch_of(1), 4)
-            path = out / f"{kind}.host_times.json"
-            if path.exists():
-                found[kind] = json.loads(path.read_text())
+        run_batch(server, batch_of(1), 4)
+        path = out / f"{kind}.host_times.json"
+        if path.exists():
+            found[kind] = json.loads(path.read_text())
     return found
 
 
+#: the host-time table's columns: ``sglang_kdtree.host_times.COLUMNS``, each part beside the step it is inside
+HOST_COLUMNS = ("period", "schedule", "launch", "worker", "process", "wait", "ingest", "sample", "other")
+
+
 def format_host_times(host: dict) -> str:
-    lines = ["| batch | server | rounds | inside the worker ms | around it (scheduler) ms | round period ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| batch | server | rounds | " + " | ".join(f"{c} ms" for c in HOST_COLUMNS) + " |",
+             "|---|---|---|" + "---|" * len(HOST_COLUMNS)]
     for kind, per_bs in host.items():
-        for bs, r in per_bs.items():
-            cells = [f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("inside_ms", "outside_ms", "period_ms")]
+        for bs, r in sorted(per_bs.items(), key=lambda item: int(item[0])):
+            cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in HOST_COLUMNS]
             lines.append(f"| {bs} | {kind} | {r['rounds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -413,7 +417,7 @@ def main(argv=None) -> int:
                     help="start every server with --enable-metrics and report each request's first-token latency "
                          "and decode rate (medians) beside its tokens/s: where a server's time per request goes")
     ap.add_argument("--host-times", action="store_true",
-                    help="every KDTREE server times its decode rounds' host work inside the worker and around it "
+                    help="every server times its decode rounds' host work, step by step of SGLang's scheduler loop "
                          "(KDTREE_HOST_TIMES, sglang_kdtree/host_times.py): medians over the timed batches")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
@@ -445,7 +449,8 @@ def main(argv=None) -> int:
     if idle:
         print("GPU idle time between rounds (profiled decode window):\n" + idle_gaps.format_table(idle))
     if host:
-        print("KDTREE's host time per decode round (medians, timed batches):\n" + format_host_times(host))
+        print("Host time per decode round, by step of the scheduler loop (medians, timed batches):\n"
+              + format_host_times(host))
     unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)
     print("garbage collector frozen after startup (as after SGLang's warm-up): "
           + ("every server" if not unfrozen else "NOT in " + ", ".join(unfrozen)))

@@ -1,19 +1,30 @@
-"""``KDTREE_HOST_TIMES``: where a decode round's host time goes, inside the worker and around it, without a profiler.
+"""``KDTREE_HOST_TIMES``: where a decode round's host time goes in SGLang's scheduler loop, without a profiler.
 
 On a host-paced target the GPU idles most of each round, so whether overlap scheduling pays is decided on the
-host: overlap can hide only the device's tail after the host's last launch, and the overlapped scheduler loop does
-its own host work per round. A profiler adds host cost to every CUDA call and so changes exactly what is measured;
-this takes two ``time.perf_counter()`` readings per decode round instead:
+host: overlap can hide only the device's tail after the host's last launch, and the overlapped loop does its own
+host work per round. A profiler adds host cost to every CUDA call and so changes exactly what is measured; this
+takes ``time.perf_counter()`` readings around the loop's steps instead, in any server (plain, DFLASH, KDTREE),
+since the plugin loads in every scheduler process.
 
-* ``inside``: the wall time of the worker's decode ``forward_batch_generation`` (the round's host work: issuing
-  its kernels and graphs, plus any wait inside it);
-* ``outside``: from the end of one decode round to the start of the next (SGLang's scheduler: processing results,
-  scheduling, preparing the batch, and any wait for the device there), counted only between two rounds of the same
-  batch size less than ``MAX_GAP_S`` apart (a gap across idle time or a new batch says nothing about the loop).
+One pass of the scheduler loop (``Scheduler.event_loop_normal`` / ``event_loop_overlap``) runs from one
+``ingest_requests`` call to the next. A pass that launches a decode batch is one decode round of that batch size,
+and its time is split into the loop's steps (``patches/scheduler_loop_times.py`` wraps them):
+
+* ``ingest``: ``ingest_requests`` (new requests, aborts);
+* ``schedule``: ``get_next_batch_to_run`` (choosing the batch, KV allocation, ``prepare_for_decode``);
+* ``launch``: ``run_batch`` (issuing the forward; ``worker``, part of it, is KDTREE's round inside
+  ``forward_batch_generation``). Without overlap, a speculative round's ``run_batch`` also copies the new lengths
+  to the host, which waits for the round's accept;
+* ``process``: ``process_batch_result`` (appending tokens, finishing requests; ``wait``, part of it, is its wait
+  for the result's device-to-host copy, ``copy_done``). With overlap it processes the previous round's result;
+* ``sample``: ``launch_batch_sample_if_needed`` (overlap loop only);
+* ``other``: the rest of the pass (the loop's own lines, logging, idle checks);
+* ``period``: the whole pass.
 
 Off unless ``KDTREE_HOST_TIMES`` names a file; then every ``FLUSH_EVERY`` rounds, when the batch size changes and at
-exit that file is rewritten with ``{batch size: {"rounds", "inside_ms", "outside_ms", "period_ms"}}``: medians over
-the last ``WINDOW`` rounds of each size. Host wall time only: it runs on CPU servers too.
+exit that file is rewritten with ``{batch size: {"rounds", "<column>_ms", ...}}``: per column, the median over the
+last ``WINDOW`` rounds of that size (medians do not add up to the period's). A pass longer than ``MAX_GAP_S`` is
+idle time, not the loop, and is left out. Host wall time only: it runs on CPU servers too.
 """
 
 from __future__ import annotations
@@ -26,31 +37,63 @@ import time
 from collections import deque
 
 HOST_TIMES_ENV = "KDTREE_HOST_TIMES"
+#: the loop's steps, in pass order; ``other`` is the pass less their sum
+PHASES = ("ingest", "schedule", "launch", "process", "sample")
+#: parts timed inside a step (not added again to ``other``): part -> the step it is inside
+PARTS = {"worker": "launch", "wait": "process"}
+COLUMNS = ("period",) + PHASES + tuple(PARTS) + ("other",)
 #: rounds kept per batch size (the medians are over these)
 WINDOW = 2048
 #: rounds between two rewrites of the file
 FLUSH_EVERY = 64
-#: a longer gap between two rounds is idle time or a new batch, not the scheduler loop
+#: a longer pass is idle time or a stall, not the scheduler loop
 MAX_GAP_S = 0.25
 
 
-class HostTimes:
-    """Per batch size, the last ``WINDOW`` rounds' inside and outside times; ``summary()`` gives their medians."""
+class LoopTimes:
+    """Per batch size, the last ``WINDOW`` decode passes' step times; ``summary()`` gives their medians."""
 
     def __init__(self, path: str | None, clock=time.perf_counter):
         self.path, self.clock = path, clock
         self._rounds: dict[int, deque] = {}
-        self._last: tuple[int, float] | None = None  # (batch size, end) of the previous round
+        self._pass: dict | None = None  # the pass in progress: step -> seconds, plus "start" and "bs"
+        self._last_bs: int | None = None
         self._since_flush = 0
 
-    def record(self, bs: int, start: float, end: float) -> None:
-        outside = None
-        if self._last is not None and self._last[0] == bs and 0 <= start - self._last[1] < MAX_GAP_S:
-            outside = start - self._last[1]
-        if self.path and self._last is not None and self._last[0] != bs:
+    def begin_pass(self) -> None:
+        """A pass of the loop starts (``ingest_requests``): the one before it ends here."""
+        now = self.clock()
+        if self._pass is not None:
+            self._end_pass(now)
+        self._pass = dict.fromkeys(PHASES + tuple(PARTS), 0.0)
+        self._pass.update(start=now, bs=None)
+
+    def launched_decode(self, bs: int) -> None:
+        """This pass launched a decode round of ``bs`` requests."""
+        if self._pass is not None:
+            self._pass["bs"] = bs
+
+    def timed(self, step: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its wall time added to ``step`` of the pass in progress (also if it raises)."""
+        start = self.clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if self._pass is not None:
+                self._pass[step] += self.clock() - start
+
+    def _end_pass(self, now: float) -> None:
+        done, self._pass = self._pass, None
+        start, bs = done.pop("start"), done.pop("bs")
+        period = now - start
+        if bs is None or period >= MAX_GAP_S:
+            return
+        if self.path and self._last_bs is not None and self._last_bs != bs:
             self.flush()  # a stretch at one size has ended: on file before the server may be stopped
-        self._rounds.setdefault(bs, deque(maxlen=WINDOW)).append((end - start, outside))
-        self._last = (bs, end)
+        done["period"] = period
+        done["other"] = period - sum(done[step] for step in PHASES)
+        self._rounds.setdefault(bs, deque(maxlen=WINDOW)).append(done)
+        self._last_bs = bs
         self._since_flush += 1
         if self.path and self._since_flush >= FLUSH_EVERY:
             self.flush()
@@ -59,14 +102,9 @@ class HostTimes:
         out = {}
         for bs in sorted(self._rounds):
             rounds = self._rounds[bs]
-            inside = [i for i, _ in rounds]
-            paired = [(i, o) for i, o in rounds if o is not None]
-            out[str(bs)] = {
-                "rounds": len(rounds),
-                "inside_ms": 1e3 * statistics.median(inside),
-                "outside_ms": 1e3 * statistics.median(o for _, o in paired) if paired else None,
-                "period_ms": 1e3 * statistics.median(i + o for i, o in paired) if paired else None,
-            }
+            row = {"rounds": len(rounds)}
+            row.update({f"{c}_ms": 1e3 * statistics.median(r[c] for r in rounds) for c in COLUMNS})
+            out[str(bs)] = row
         return out
 
     def flush(self) -> None:
@@ -77,23 +115,32 @@ class HostTimes:
                 json.dump(self.summary(), f, indent=1)
             os.replace(tmp, self.path)
 
-    def timed(self, bs: int, round_fn, *args):
-        """``round_fn(*args)``, timed as one decode round of ``bs`` requests."""
-        start = self.clock()
-        try:
-            return round_fn(*args)
-        finally:
-            self.record(bs, start, self.clock())
+
+class TimedWait:
+    """A result's ``copy_done`` event whose ``synchronize()`` counts as the pass's ``wait``; the rest is the
+    event's own."""
+
+    def __init__(self, event, times: LoopTimes):
+        self._event, self._times = event, times
+
+    def synchronize(self):
+        return self._times.timed("wait", self._event.synchronize)
+
+    def __getattr__(self, name):
+        return getattr(self._event, name)
 
 
-_TIMES = HostTimes(os.environ.get(HOST_TIMES_ENV) or None)
-if _TIMES.path:
-    atexit.register(_TIMES.flush)
+LOOP = LoopTimes(os.environ.get(HOST_TIMES_ENV) or None)
+if LOOP.path:
+    atexit.register(LOOP.flush)
 
 
-def timed(batch, round_fn, *args):
-    """``round_fn(*args)``; with ``KDTREE_HOST_TIMES`` set, timed as one decode round of ``batch`` (SGLang's
-    ``ScheduleBatch``)."""
-    if _TIMES.path is None:
+def enabled() -> bool:
+    return LOOP.path is not None
+
+
+def timed(round_fn, *args):
+    """``round_fn(*args)``, KDTREE's decode round; with ``KDTREE_HOST_TIMES`` set, timed as the pass's ``worker``."""
+    if LOOP.path is None:
         return round_fn(*args)
-    return _TIMES.timed(batch.batch_size(), round_fn, *args)
+    return LOOP.timed("worker", round_fn, *args)

@@ -226,7 +226,7 @@ class KDTreeWorker(DFlashWorkerV2):
             return seeded.prefill_with_seeded_tokens(self, batch, prefill)
         if batch.has_grammar:  # refused at admission and startup; if one gets here, end its batch, not the server
             return round_faults.ended_grammar_batch(self, batch, on_publish)
-        return host_times.timed(batch, sync_debug.watch, round_faults.contained_round, self, batch, on_publish)
+        return host_times.timed(sync_debug.watch, round_faults.contained_round, self, batch, on_publish)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
         """SGLang's call once per decode result, in launch order, once the result is on the host (both scheduler

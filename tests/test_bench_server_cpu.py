@@ -250,10 +250,13 @@ def test_latency_split_starts_every_server_with_metrics_and_reports_first_token_
     assert "| 1 | kdtree-63-overlap | 20.0 | 400.0 |" in split and "plain" not in split
 
 
-def test_host_times_go_to_kdtree_servers_only_and_are_read_after_a_flushing_request(tmp_path, monkeypatch):
-    """``--host-times``: each KDTREE server gets its own ``KDTREE_HOST_TIMES`` file; after the timed batches one
-    short request at batch 1 makes the server write its last size, then the files are read and tabled."""
+def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp_path, monkeypatch):
+    """``--host-times``: each server gets its own ``KDTREE_HOST_TIMES`` file; after the timed batches one short
+    request at batch 1 makes the server write its last size, then the files are read and tabled."""
+    from sglang_kdtree import host_times
+
     bench = _load()
+    assert set(bench.HOST_COLUMNS) == set(host_times.COLUMNS)
     variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
                                     tp=1)
     started = {}
@@ -264,14 +267,14 @@ def test_host_times_go_to_kdtree_servers_only_and_are_read_after_a_flushing_requ
 
     monkeypatch.setattr(bench.cuda_servers, "CudaServer", FakeServer)
     bench.start(variant, ["plain", "kdtree-63", "kdtree-63-overlap"], 64, tmp_path, host_times=True)
-    assert "KDTREE_HOST_TIMES" not in started["plain"]
+    assert started["plain"]["KDTREE_HOST_TIMES"] == str(tmp_path / "plain.host_times.json")
     assert started["kdtree-63"]["KDTREE_HOST_TIMES"] == str(tmp_path / "kdtree-63.host_times.json")
     bench.start(variant, ["kdtree-63"], 64, tmp_path)
     assert "KDTREE_HOST_TIMES" not in started["kdtree-63"]
 
     sent = []
-    summary = {"1": {"rounds": 40, "inside_ms": 3.5, "outside_ms": 1.25, "period_ms": 4.75},
-               "32": {"rounds": 1, "inside_ms": 6.0, "outside_ms": None, "period_ms": None}}
+    row = {"rounds": 40, **{f"{c}_ms": 0.25 * (n + 1) for n, c in enumerate(host_times.COLUMNS)}}
+    summary = {"32": dict(row, rounds=1), "1": row}
 
     def generate(payload, kind):
         sent.append((kind, payload["sampling_params"]["max_new_tokens"]))
@@ -282,6 +285,8 @@ def test_host_times_go_to_kdtree_servers_only_and_are_read_after_a_flushing_requ
     servers = {kind: types.SimpleNamespace(generate=lambda p, kind=kind: generate(p, kind))
                for kind in ("plain", "kdtree-63", "kdtree-63-overlap")}
     host = bench.read_host_times(servers, tmp_path)
-    assert sent == [("kdtree-63", 4), ("kdtree-63-overlap", 4)] and host == {"kdtree-63": summary}
-    table = bench.format_host_times(host)
-    assert "| 1 | kdtree-63 | 40 | 3.500 | 1.250 | 4.750 |" in table and "| 32 | kdtree-63 | 1 | 6.000 | - | - |" in table
+    assert sent == [("plain", 4), ("kdtree-63", 4), ("kdtree-63-overlap", 4)] and host == {"kdtree-63": summary}
+    lines = bench.format_host_times(host).splitlines()
+    assert lines[0].startswith("| batch | server | rounds | period ms | schedule ms | launch ms | worker ms |")
+    # batch sizes in numeric order; each cell the column's own figure
+    assert lines[2].startswith("| 1 | kdtree-63 | 40 | 0.250 | 0.750 | 1.000 | 1.750 |") and "| 32 |" in lines[3]

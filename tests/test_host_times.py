@@ -1,14 +1,17 @@
-"""sglang_kdtree/host_times.py: the decode round's host time inside the worker and around it."""
+"""sglang_kdtree/host_times.py and patches/scheduler_loop_times.py: a decode round's host time, step by step of
+SGLang's scheduler loop."""
 
 from __future__ import annotations
 
 import json
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
 
 from sglang_kdtree import host_times
+from sglang_kdtree.patches import scheduler_loop_times
 
 
 class _Clock:
@@ -20,67 +23,140 @@ class _Clock:
     def __call__(self):
         return self.now
 
+    def spend(self, seconds):
+        def work(*args, **kwargs):
+            self.now += seconds
+            return args, kwargs
+        return work
 
-def test_inside_and_outside_against_a_hand_timeline(tmp_path):
-    """Rounds of 2 requests: inside 3, 5, 4 ms with 1 and 2 ms between them, then a round of 3 (no pair: another
-    batch size) and one of 2 after an idle second (no pair: too long a gap)."""
+
+def _pass(times, clock, bs, steps, idle=0.0):
+    """One pass of the loop: ``steps`` is ``[(step, seconds, {part: seconds})]`` in order, then ``idle`` seconds
+    of the loop's own lines; ``bs`` None for a pass that launches no decode round."""
+    times.begin_pass()
+    for step, seconds, parts in steps:
+        def work(seconds=seconds, parts=parts):
+            for part, inner in parts.items():
+                times.timed(part, clock.spend(inner))
+            clock.now += seconds - sum(parts.values())
+        times.timed(step, work)
+        if step == "launch" and bs is not None:
+            times.launched_decode(bs)
+    clock.now += idle
+
+
+def test_steps_parts_and_other_against_a_hand_timeline(tmp_path):
+    """Three passes at batch 2, one prefill pass (no decode: left out), one at batch 3, one after an idle second
+    (too long: left out); the pass after the last one only ends it."""
     clock, path = _Clock(), tmp_path / "t.json"
-    times = host_times.HostTimes(str(path), clock=clock)
-    for bs, gap, inside in ((2, 0.0, 3e-3), (2, 1e-3, 5e-3), (2, 2e-3, 4e-3), (3, 1e-3, 6e-3), (2, 1.0, 7e-3)):
-        clock.now += gap
-
-        def work(inside=inside):
-            clock.now += inside
-            return "result"
-
-        assert times.timed(bs, work) == "result"
+    times = host_times.LoopTimes(str(path), clock=clock)
+    for launch, worker, wait in ((3e-3, 2e-3, 1e-3), (5e-3, 4e-3, 0.0), (4e-3, 3e-3, 2e-3)):
+        _pass(times, clock, 2, [("ingest", 1e-4, {}), ("schedule", 5e-4, {}), ("launch", launch, {"worker": worker}),
+                                ("process", 2e-3, {"wait": wait}), ("sample", 1e-4, {})], idle=3e-4)
+    _pass(times, clock, None, [("ingest", 1e-4, {}), ("launch", 9e-3, {})])
+    _pass(times, clock, 3, [("launch", 6e-3, {"worker": 5e-3})], idle=1e-3)
+    _pass(times, clock, 2, [("launch", 6e-3, {})], idle=1.0)
+    times.begin_pass()
     got = times.summary()
-    assert got["2"]["rounds"] == 4 and got["2"]["inside_ms"] == pytest.approx(4.5)
-    assert got["2"]["outside_ms"] == pytest.approx(1.5) and got["2"]["period_ms"] == pytest.approx(6.0)
-    assert got["3"] == {"rounds": 1, "inside_ms": pytest.approx(6.0), "outside_ms": None, "period_ms": None}
+    assert set(got) == {"2", "3"} and got["2"]["rounds"] == 3
+    two = got["2"]
+    assert two["launch_ms"] == pytest.approx(4.0) and two["worker_ms"] == pytest.approx(3.0)
+    assert two["process_ms"] == pytest.approx(2.0) and two["wait_ms"] == pytest.approx(1.0)
+    assert two["ingest_ms"] == pytest.approx(0.1) and two["schedule_ms"] == pytest.approx(0.5)
+    assert two["sample_ms"] == pytest.approx(0.1) and two["other_ms"] == pytest.approx(0.3)
+    assert two["period_ms"] == pytest.approx(0.1 + 0.5 + 4.0 + 2.0 + 0.1 + 0.3)
+    three = got["3"]
+    assert three["rounds"] == 1 and three["period_ms"] == pytest.approx(7.0) and three["other_ms"] == pytest.approx(1.0)
+    assert three["process_ms"] == 0.0 and three["wait_ms"] == 0.0
     times.flush()
-    assert json.loads(path.read_text())["2"]["rounds"] == 4
+    assert json.loads(path.read_text())["2"]["rounds"] == 3
 
 
-def test_a_round_that_raises_is_timed_and_the_error_goes_on():
+def test_a_step_that_raises_is_timed_and_the_error_goes_on():
     clock = _Clock()
-    times = host_times.HostTimes(None, clock=clock)
+    times = host_times.LoopTimes(None, clock=clock)
+    times.begin_pass()
 
     def fails():
         clock.now += 2e-3
         raise RuntimeError("round failed")
 
     with pytest.raises(RuntimeError, match="round failed"):
-        times.timed(1, fails)
-    assert times.summary()["1"]["inside_ms"] == pytest.approx(2.0)
+        times.timed("launch", fails)
+    times.launched_decode(1)
+    times.begin_pass()
+    assert times.summary()["1"]["launch_ms"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_medians_over_random_rounds_and_the_file_is_rewritten_every_flush(tmp_path, seed, monkeypatch):
+def test_medians_over_random_passes_and_the_file_is_rewritten_every_flush(tmp_path, seed, monkeypatch):
     rnd, clock, path = random.Random(seed), _Clock(), tmp_path / "t.json"
     monkeypatch.setattr(host_times, "FLUSH_EVERY", 10)
-    times = host_times.HostTimes(str(path), clock=clock)
-    insides, outsides = [], []
-    for n in range(25):
-        gap, inside = rnd.uniform(1e-4, 0.1), rnd.uniform(1e-4, 0.05)
-        clock.now += gap
-        if n:
-            outsides.append(gap)
-        insides.append(inside)
-        times.timed(8, lambda inside=inside: setattr(clock, "now", clock.now + inside))
-    on_disk = json.loads(path.read_text())["8"]  # written at round 20, not 25
+    times = host_times.LoopTimes(str(path), clock=clock)
+    launches, periods = [], []
+    for _ in range(25):
+        launch, idle = rnd.uniform(1e-4, 0.05), rnd.uniform(1e-4, 0.1)
+        _pass(times, clock, 8, [("launch", launch, {})], idle=idle)
+        launches.append(launch)
+        periods.append(launch + idle)
+    times.begin_pass()
+    on_disk = json.loads(path.read_text())["8"]  # written at pass 20, not 25
     assert on_disk["rounds"] == 20
-    assert on_disk["inside_ms"] == pytest.approx(1e3 * statistics.median(insides[:20]))
+    assert on_disk["launch_ms"] == pytest.approx(1e3 * statistics.median(launches[:20]))
     got = times.summary()["8"]
-    assert got["outside_ms"] == pytest.approx(1e3 * statistics.median(outsides))
-    assert got["period_ms"] == pytest.approx(1e3 * statistics.median(i + o for i, o in zip(insides[1:], outsides)))
+    assert got["rounds"] == 25 and got["period_ms"] == pytest.approx(1e3 * statistics.median(periods))
+    assert got["other_ms"] == pytest.approx(1e3 * statistics.median(p - x for p, x in zip(periods, launches)))
 
 
-def test_off_by_default_the_round_runs_untouched(monkeypatch):
-    monkeypatch.setattr(host_times, "_TIMES", host_times.HostTimes(None))
+def test_a_new_batch_size_puts_the_last_one_on_file(tmp_path):
+    clock, path = _Clock(), tmp_path / "t.json"
+    times = host_times.LoopTimes(str(path), clock=clock)
+    for bs in (32, 32, 1):
+        _pass(times, clock, bs, [("launch", 1e-3, {})])
+    times.begin_pass()  # ends the pass at batch 1: the 32s are written before it is kept
+    assert json.loads(path.read_text()) == {"32": pytest.approx(times.summary()["32"])}
 
-    class NoBatchSize:  # timing off: the batch is not even asked its size
-        pass
 
-    assert host_times.timed(NoBatchSize(), lambda x: x + 1, 41) == 42
-    assert host_times._TIMES.summary() == {}
+def test_off_by_default_the_round_runs_untouched_and_nothing_is_hooked(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(host_times, "LOOP", host_times.LoopTimes(None))
+    assert host_times.timed(lambda x: x + 1, 41) == 42
+    assert host_times.LOOP.summary() == {}
+    before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    scheduler_loop_times.register()
+    assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
+
+
+def test_the_hooks_time_a_loop_of_fake_scheduler_calls(monkeypatch, tmp_path):
+    """The AROUND hooks as the registry calls them, ``hook(original, *args)``, over two passes of a fake loop:
+    each returns SGLang's result, the decode launch names the batch size, and the result's ``copy_done`` is timed
+    when ``synchronize()`` is called on it while its other attributes stay the event's."""
+    clock = _Clock()
+    monkeypatch.setattr(host_times, "LOOP", host_times.LoopTimes(str(tmp_path / "t.json"), clock=clock))
+    hooks = {t.rsplit(".", 1)[1]: h for t, h in scheduler_loop_times.hooks().items()}
+    assert set(hooks) == set(scheduler_loop_times.STEPS)
+    event = SimpleNamespace(synchronize=clock.spend(4e-3), query=lambda: True)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), batch_size=lambda: 4)
+    scheduler = object()
+    results = []
+    for _ in range(2):
+        hooks["ingest_requests"](clock.spend(1e-4), scheduler)
+        hooks["get_next_batch_to_run"](clock.spend(1e-3), scheduler)
+
+        def run(scheduler, batch):
+            host_times.timed(clock.spend(2e-3))  # the worker's round inside run_batch
+            clock.now += 1e-3
+            return SimpleNamespace(copy_done=event)
+
+        result = hooks["run_batch"](run, scheduler, batch)
+        assert isinstance(result.copy_done, host_times.TimedWait) and result.copy_done.query() is True
+        results.append(result)
+        hooks["process_batch_result"](lambda s, b, r: r.copy_done.synchronize(), scheduler, batch, result)
+        hooks["launch_batch_sample_if_needed"](clock.spend(2e-4), scheduler, result, batch)
+    host_times.LOOP.begin_pass()
+    got = host_times.LOOP.summary()["4"]
+    assert got["rounds"] == 2
+    assert got["launch_ms"] == pytest.approx(3.0) and got["worker_ms"] == pytest.approx(2.0)
+    assert got["process_ms"] == pytest.approx(4.0) and got["wait_ms"] == pytest.approx(4.0)
+    assert got["period_ms"] == pytest.approx(0.1 + 1.0 + 3.0 + 4.0 + 0.2)

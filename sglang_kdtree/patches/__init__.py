@@ -22,6 +22,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "input_embeds_dtype",
     "verify_graph_spec_info",
     "request_validation",
+    "scheduler_loop_times",
 )
 
 

@@ -38,7 +38,9 @@ def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True, w
     round_log.unlink(missing_ok=True)
     faults = server_logs / f"faults-{tag}.json"  # test-only fault injection: absent unless a test writes it
     faults.unlink(missing_ok=True)
-    env = {"KDTREE_ROUND_LOG": str(round_log), "KDTREE_TEST_FAULTS": str(faults)}
+    host_times = server_logs / f"host-times-{tag}.json"  # the scheduler loop's step times (host_times.py)
+    host_times.unlink(missing_ok=True)
+    env = {"KDTREE_ROUND_LOG": str(round_log), "KDTREE_TEST_FAULTS": str(faults), "KDTREE_HOST_TIMES": str(host_times)}
     if widths:
         env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
     extra = _kdtree_args(tiny_models, name, None) if widths else _kdtree_args(tiny_models, name)
@@ -48,6 +50,7 @@ def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True, w
     server.model_name = name
     server.round_log = round_log
     server.faults = faults
+    server.host_times = host_times
     yield server
     pid = server.proc.pid
     started = time.time()
@@ -472,3 +475,20 @@ def test_a_profiled_decode_window_writes_a_trace(kdtree_server, tmp_path):
                                              profile_id="cpu-bs2", activities=("CPU",), timeout=240)
     assert path.name.startswith("cpu-bs2-TP-0") and figures is None
     assert any(ev.get("cat") == "cpu_op" for ev in idle_gaps.read_trace(path))
+
+
+def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree_server, greedy_results):
+    """``KDTREE_HOST_TIMES`` on a real server: SGLang's loop methods are wrapped, each decode pass is timed by step,
+    and the file is written when the batch size changes (here: a lone request after the concurrent ones)."""
+    from sglang_kdtree import host_times
+
+    kdtree_server.generate(_greedy(PROMPTS[0], max_new_tokens=24))
+    _concurrent(kdtree_server, [_greedy(p, max_new_tokens=8) for p in PROMPTS[:2]])  # ends the lone one's stretch
+    per_bs = json.loads(kdtree_server.host_times.read_text())
+    assert per_bs and "1" in per_bs
+    for bs, row in per_bs.items():
+        assert row["rounds"] >= 1 and set(row) == {"rounds"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
+        assert row["period_ms"] >= row["launch_ms"] >= row["worker_ms"] > 0, (bs, row)
+        assert row["process_ms"] >= row["wait_ms"] >= 0 and row["process_ms"] > 0, (bs, row)
+        assert row["schedule_ms"] > 0 and row["ingest_ms"] > 0, (bs, row)
+

@@ -16,7 +16,8 @@ import pytest
 
 from test_server_kdtree import (  # noqa: F401  (collected here: the tests run against this module's server)
     DEPRECATED, serve_kdtree, test_a_fault_in_one_request_ends_only_that_request,
-    test_greedy_outputs_identical_to_plain_server, test_max_new_tokens_cut, test_round_oom_retried_once_changes_no_output,
+    test_greedy_outputs_identical_to_plain_server, test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop,
+    test_max_new_tokens_cut, test_round_oom_retried_once_changes_no_output,
     test_round_oom_twice_ends_its_batch_and_the_server_continues, test_sampling_with_seed_is_reproducible_and_exact,
     test_stop_token_inside_accepted_path)
 from server_requests import PROMPTS, TIERS, _concurrent, _greedy
