@@ -21,10 +21,11 @@ and its time is split into the loop's steps (``patches/scheduler_loop_times.py``
 * ``other``: the rest of the pass (the loop's own lines, logging, idle checks);
 * ``period``: the whole pass.
 
-Off unless ``KDTREE_HOST_TIMES`` names a file; then every ``FLUSH_EVERY`` rounds, when the batch size changes and at
-exit that file is rewritten with ``{batch size: {"rounds", "<column>_ms", ...}}``: per column, the median over the
-last ``WINDOW`` rounds of that size (medians do not add up to the period's). A pass longer than ``MAX_GAP_S`` is
-idle time, not the loop, and is left out. Host wall time only: it runs on CPU servers too.
+Off unless ``KDTREE_HOST_TIMES`` names a file (rank r > 0 of tensor parallelism writes that name + ``.tp<r>``);
+then every ``FLUSH_EVERY`` rounds, when the batch size changes and at exit that file is rewritten with
+``{batch size: {"rounds", "<column>_ms", ...}}``: per column, the median over the last ``WINDOW`` rounds of that
+size (medians do not add up to the period's). A pass longer than ``MAX_GAP_S`` is idle time, not the loop, and is
+left out. Host wall time only: it runs on CPU servers too.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class LoopTimes:
         self._pass: dict | None = None  # the pass in progress: step -> seconds, plus "start" and "bs"
         self._last_bs: int | None = None
         self._since_flush = 0
+        self.bound = False
+
+    def bind_rank(self, rank: int) -> None:
+        """The process's tensor-parallel rank, once: rank 0 writes the file named, rank r > 0 that name +
+        ``.tp<r>`` (every rank runs the loop; one file each, not the last writer's)."""
+        if self.path and not self.bound and rank:
+            self.path = f"{self.path}.tp{rank}"
+        self.bound = True
 
     def begin_pass(self) -> None:
         """A pass of the loop starts (``ingest_requests``): the one before it ends here."""

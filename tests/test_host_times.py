@@ -129,11 +129,14 @@ def test_off_by_default_the_round_runs_untouched_and_nothing_is_hooked(monkeypat
 
 
 def test_the_hooks_time_a_loop_of_fake_scheduler_calls(monkeypatch, tmp_path):
-    """The AROUND hooks as the registry calls them, ``hook(original, *args)``, over two passes of a fake loop:
-    each returns SGLang's result, the decode launch names the batch size, and the result's ``copy_done`` is timed
+    """The AROUND hooks as the registry calls them, ``hook(original, *args)``, over two passes of a fake loop at
+    tensor-parallel rank 1: each returns SGLang's result, the decode launch names the batch size, and the result's ``copy_done`` is timed
     when ``synchronize()`` is called on it while its other attributes stay the event's."""
+    import sglang.srt.runtime_context as runtime
+
     clock = _Clock()
     monkeypatch.setattr(host_times, "LOOP", host_times.LoopTimes(str(tmp_path / "t.json"), clock=clock))
+    monkeypatch.setattr(runtime, "get_parallel", lambda: SimpleNamespace(tp_rank=1))
     hooks = {t.rsplit(".", 1)[1]: h for t, h in scheduler_loop_times.hooks().items()}
     assert set(hooks) == set(scheduler_loop_times.STEPS)
     event = SimpleNamespace(synchronize=clock.spend(4e-3), query=lambda: True)
@@ -155,8 +158,19 @@ def test_the_hooks_time_a_loop_of_fake_scheduler_calls(monkeypatch, tmp_path):
         hooks["process_batch_result"](lambda s, b, r: r.copy_done.synchronize(), scheduler, batch, result)
         hooks["launch_batch_sample_if_needed"](clock.spend(2e-4), scheduler, result, batch)
     host_times.LOOP.begin_pass()
+    assert host_times.LOOP.path == str(tmp_path / "t.json.tp1")  # the first pass asked SGLang for the rank
     got = host_times.LOOP.summary()["4"]
     assert got["rounds"] == 2
     assert got["launch_ms"] == pytest.approx(3.0) and got["worker_ms"] == pytest.approx(2.0)
     assert got["process_ms"] == pytest.approx(4.0) and got["wait_ms"] == pytest.approx(4.0)
     assert got["period_ms"] == pytest.approx(0.1 + 1.0 + 3.0 + 4.0 + 0.2)
+
+
+def test_each_tensor_parallel_rank_writes_its_own_file(tmp_path):
+    path = tmp_path / "t.json"
+    rank0, rank1 = host_times.LoopTimes(str(path)), host_times.LoopTimes(str(path))
+    for rank, times in enumerate((rank0, rank1)):
+        times.bind_rank(rank)
+        times.bind_rank(rank)  # once: a later call does not add another suffix
+    assert rank0.path == str(path) and rank1.path == f"{path}.tp1" and rank1.bound
+    assert host_times.LoopTimes(None).path is None

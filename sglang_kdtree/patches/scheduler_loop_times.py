@@ -23,6 +23,10 @@ TARGETS = tuple(f"{SCHEDULER}.{method}" for method in STEPS)
 
 
 def ingest_requests(original, *args, **kwargs):
+    if not host_times.LOOP.bound:
+        from sglang.srt.runtime_context import get_parallel
+
+        host_times.LOOP.bind_rank(get_parallel().tp_rank)
     host_times.LOOP.begin_pass()
     return host_times.LOOP.timed("ingest", original, *args, **kwargs)
 
