@@ -16,6 +16,7 @@ plain (whose ``run_batch`` is its forward).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]
-import conftest as e2e  # noqa: E402  (the CPU server harness of the end-to-end tests)
 import make_tiny_models  # noqa: E402
 from server_requests import PROMPTS, _kdtree_args  # noqa: E402
+
+# the CPU server harness of the end-to-end tests, by path: under pytest another ``conftest`` may hold the name
+_spec = importlib.util.spec_from_file_location("e2e_conftest", ROOT / "tests" / "e2e" / "conftest.py")
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
 
 KINDS = ("plain", "plain-overlap", "kdtree", "kdtree-overlap")
 
