@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by device_server.sh and device_pair.sh after they set DEADLINE (seconds from now) and LOGS (a folder
 # for the step logs): one deadline for the whole call, and timed steps recorded in $OUT/steps.txt.
 START=$(date +%s)

@@ -23,7 +23,8 @@ from conftest import REPO, free_port, start_server
 import make_tiny_models as tiny
 from server_requests import (ALPHA, BUDGET, LOGPROB_ATOL, NEW_TOKENS, PROMPTS, _assert_top_close, _concurrent,
                              _generate_or_error, _greedy, _hf_sampled, _homogeneity_p, _kdtree_args, _log_count,
-                             _logprob_params, _pairs, _pairs_second_unfiltered, _wait_idle_load, _with_faults)
+                             _logprob_params, _pairs, _pairs_second_unfiltered, _wait_idle_load, _with_faults,
+                             VERIFY_WIDTH)
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def serve_kdtree(plain_server, tiny_models, server_logs, overlap: bool = True, w
     env = {"KDTREE_ROUND_LOG": str(round_log), "KDTREE_TEST_FAULTS": str(faults), "KDTREE_HOST_TIMES": str(host_times)}
     if widths:
         env["SGLANG_KDTREE_VERIFY_WIDTHS"] = widths
-    extra = _kdtree_args(tiny_models, name, None) if widths else _kdtree_args(tiny_models, name)
+    extra = _kdtree_args(tiny_models, name, None if widths else VERIFY_WIDTH)
     server = start_server(tiny_models / name, server_logs, extra=extra, name=f"kdtree-{tag}", env=env,
                           overlap=overlap)
     server.wait_ready()
