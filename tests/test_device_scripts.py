@@ -3,12 +3,11 @@ script would waste is scarce. (Their deliberate word splitting of argument lists
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from test_service import assert_shellcheck_passes
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "device").glob("*.sh"))
 
@@ -19,11 +18,4 @@ def test_there_are_scripts():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_shellcheck_warnings(script):
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        if os.environ.get("CI"):
-            pytest.fail("shellcheck is missing on CI: apt-get install -y shellcheck")
-        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
-    result = subprocess.run([shellcheck, "--external-sources", "--severity=warning", str(script)],
-                            capture_output=True, text=True, timeout=120, cwd=script.parent)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_shellcheck_passes(script, "warning")
