@@ -21,7 +21,9 @@ from server_requests import PROMPTS, _kdtree_args
 from test_plain_server import hf_greedy
 from test_server_kdtree import (greedy_results, test_a_fault_in_one_request_ends_only_that_request,  # noqa: F401
                                 test_acceptance_through_non_first_sibling, test_greedy_logprobs_match_the_plain_server,
-                                test_greedy_outputs_identical_to_plain_server, test_max_new_tokens_cut,
+                                test_greedy_outputs_identical_to_plain_server,
+                                test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop,
+                                test_max_new_tokens_cut,
                                 test_mean_accept_length_and_metrics, test_sampling_with_seed_is_reproducible_and_exact,
                                 test_stop_token_inside_accepted_path)
 
@@ -58,15 +60,33 @@ def kdtree_server(plain_server, tiny_models, server_logs):
     round_log.unlink(missing_ok=True)
     faults = server_logs / "faults-tp2.json"
     faults.unlink(missing_ok=True)
+    host_times = server_logs / "host-times-tp2.json"  # rank 1 writes host-times-tp2.json.tp1
+    for path in (host_times, host_times.with_name(host_times.name + ".tp1")):
+        path.unlink(missing_ok=True)
     server = start_server(tiny_models / "llama", server_logs, extra=TP_ARGS + _kdtree_args(tiny_models, "llama"),
                           name="kdtree-tp2", env={**TP_ENV, "KDTREE_ROUND_LOG": str(round_log),
-                                                  "KDTREE_TEST_FAULTS": str(faults)})
+                                                  "KDTREE_TEST_FAULTS": str(faults), "KDTREE_HOST_TIMES": str(host_times)})
     server.wait_ready()
     server.model_name = "llama"
     server.round_log = round_log
     server.faults = faults
+    server.host_times = host_times
     yield server
     server.stop()
+
+
+def test_each_rank_writes_its_own_host_times(kdtree_server, greedy_results):
+    """``KDTREE_HOST_TIMES`` at TP 2: both ranks run the loop and each keeps its own file (rank 1's with ``.tp1``),
+    so neither overwrites the other's figures; the ranks run the same rounds."""
+    kdtree_server.generate({"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+    kdtree_server.generate({"input_ids": PROMPTS[:2], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    rank1 = kdtree_server.host_times.with_name(kdtree_server.host_times.name + ".tp1")
+    deadline = time.time() + 30
+    while not rank1.exists() and time.time() < deadline:
+        time.sleep(0.5)
+    per_rank = [json.loads(p.read_text()) for p in (kdtree_server.host_times, rank1)]
+    assert "1" in per_rank[0] and "1" in per_rank[1]
+    assert per_rank[0]["1"]["worker_ms"] > 0 and per_rank[1]["1"]["worker_ms"] > 0
 
 
 def test_plain_tp2_server_matches_hf_greedy(plain_server, tiny_models):
