@@ -64,6 +64,7 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the 
 import cuda_servers  # noqa: E402
 
 from benchmarks import idle_gaps, server_kinds  # noqa: E402
+from sglang_kdtree.host_times import format_table as format_host_times  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
@@ -184,20 +185,6 @@ def read_host_times(servers: dict, out: Path) -> dict:
         if path.exists():
             found[kind] = json.loads(path.read_text())
     return found
-
-
-#: the host-time table's columns: ``sglang_kdtree.host_times.COLUMNS``, each part beside the step it is inside
-HOST_COLUMNS = ("period", "schedule", "launch", "worker", "process", "wait", "ingest", "sample", "other")
-
-
-def format_host_times(host: dict) -> str:
-    lines = ["| batch | server | rounds | " + " | ".join(f"{c} ms" for c in HOST_COLUMNS) + " |",
-             "|---|---|---|" + "---|" * len(HOST_COLUMNS)]
-    for kind, per_bs in host.items():
-        for bs, r in sorted(per_bs.items(), key=lambda item: int(item[0])):
-            cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in HOST_COLUMNS]
-            lines.append(f"| {bs} | {kind} | {r['rounds']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def run_batch(server, batch, new_tokens: int) -> tuple[float, list[dict]]:

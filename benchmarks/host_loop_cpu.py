@@ -27,6 +27,8 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]
 import make_tiny_models  # noqa: E402
 from server_requests import PROMPTS, _kdtree_args  # noqa: E402
 
+from sglang_kdtree import host_times  # noqa: E402
+
 # the CPU server harness of the end-to-end tests, by path: under pytest another ``conftest`` may hold the name
 _spec = importlib.util.spec_from_file_location("e2e_conftest", ROOT / "tests" / "e2e" / "conftest.py")
 e2e = importlib.util.module_from_spec(_spec)
@@ -82,32 +84,20 @@ def measure(kinds, batches, new_tokens: int, repeats: int, out: Path) -> dict:
     return found
 
 
-def format_table(found: dict) -> str:
-    cols = ("period", "schedule", "launch", "worker", "process", "wait", "ingest", "sample", "other", "loop")
-    lines = ["| batch | server | rounds | " + " | ".join(f"{c} ms" for c in cols) + " |",
-             "|---|---|---|" + "---|" * len(cols)]
-    for bs in sorted({b for per_bs in found.values() for b in per_bs}, key=int):
-        for kind, per_bs in found.items():
-            if bs in per_bs:
-                r = per_bs[bs]
-                lines.append(f"| {bs} | {kind} | {r['rounds']} | " + " | ".join(f"{r[f'{c}_ms']:.3f}" for c in cols)
-                             + " |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True, help="folder for server logs, host-time files and host_loop.json")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder for server logs, host-time files and host_loop.json")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     found = measure(args.kinds, args.batches, args.new_tokens, args.repeats, args.out)
     (args.out / "host_loop.json").write_text(json.dumps({"new_tokens": args.new_tokens, "repeats": args.repeats,
                                                          "host_times": found}, indent=1))
-    print(format_table(found))
+    print(host_times.format_table(found, extra=("loop",)))
     for bs in map(str, args.batches):
         pairs = [(k, f"{k}-overlap") for k in ("plain", "kdtree") if bs in found.get(k, {})
                  and bs in found.get(f"{k}-overlap", {})]

@@ -43,6 +43,8 @@ PHASES = ("ingest", "schedule", "launch", "process", "sample")
 #: parts timed inside a step (not added again to ``other``): part -> the step it is inside
 PARTS = {"worker": "launch", "wait": "process"}
 COLUMNS = ("period",) + PHASES + tuple(PARTS) + ("other",)
+#: ``COLUMNS`` in a table's reading order: each part beside the step it is inside
+TABLE_COLUMNS = ("period", "schedule", "launch", "worker", "process", "wait", "ingest", "sample", "other")
 #: rounds kept per batch size (the medians are over these)
 WINDOW = 2048
 #: rounds between two rewrites of the file
@@ -123,6 +125,21 @@ class LoopTimes:
             with open(tmp, "w") as f:
                 json.dump(self.summary(), f, indent=1)
             os.replace(tmp, self.path)
+
+
+def format_table(per_server: dict, extra: tuple = ()) -> str:
+    """A markdown table of ``{server: {bs: summary row}}`` (the files' contents), rows by batch size then server,
+    ms per round in ``TABLE_COLUMNS`` then ``extra`` (further ``<column>_ms`` keys of the rows); "-" for none."""
+    cols = TABLE_COLUMNS + tuple(extra)
+    lines = ["| batch | server | rounds | " + " | ".join(f"{c} ms" for c in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    for bs in sorted({b for per_bs in per_server.values() for b in per_bs}, key=int):
+        for server, per_bs in per_server.items():
+            if bs in per_bs:
+                r = per_bs[bs]
+                cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in cols]
+                lines.append(f"| {bs} | {server} | {r['rounds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 class TimedWait:

@@ -256,7 +256,7 @@ def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp
     from sglang_kdtree import host_times
 
     bench = _load()
-    assert set(bench.HOST_COLUMNS) == set(host_times.COLUMNS)
+    assert set(host_times.TABLE_COLUMNS) == set(host_times.COLUMNS)
     variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
                                     tp=1)
     started = {}

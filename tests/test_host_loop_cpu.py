@@ -19,10 +19,3 @@ def test_the_loop_is_the_period_less_the_forward():
     assert host_loop_cpu.loop_ms("kdtree-overlap", kdtree) == pytest.approx(2.0)
     assert host_loop_cpu.loop_ms("plain", plain) == pytest.approx(1.5)
 
-
-def test_table_rows_by_batch_then_server():
-    found = {"plain": {"4": dict(_row(period=3.0), loop_ms=1.0), "1": dict(_row(period=2.0), loop_ms=0.5)},
-             "kdtree-overlap": {"1": dict(_row(period=9.0, worker=7.0), loop_ms=2.0)}}
-    lines = host_loop_cpu.format_table(found).splitlines()
-    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| 1", "plain"], ["| 1", "kdtree-overlap"], ["| 4", "plain"]]
-    assert lines[3].startswith("| 1 | kdtree-overlap | 10 | 9.000 |") and lines[3].endswith("| 2.000 |")

@@ -130,8 +130,8 @@ def test_off_by_default_the_round_runs_untouched_and_nothing_is_hooked(monkeypat
 
 def test_the_hooks_time_a_loop_of_fake_scheduler_calls(monkeypatch, tmp_path):
     """The AROUND hooks as the registry calls them, ``hook(original, *args)``, over two passes of a fake loop at
-    tensor-parallel rank 1: each returns SGLang's result, the decode launch names the batch size, and the result's ``copy_done`` is timed
-    when ``synchronize()`` is called on it while its other attributes stay the event's."""
+    tensor-parallel rank 1: each returns SGLang's result, the decode launch names the batch size, and the result's
+    ``copy_done`` is timed when ``synchronize()`` is called on it while its other attributes stay the event's."""
     import sglang.srt.runtime_context as runtime
 
     clock = _Clock()
@@ -174,3 +174,16 @@ def test_each_tensor_parallel_rank_writes_its_own_file(tmp_path):
         times.bind_rank(rank)  # once: a later call does not add another suffix
     assert rank0.path == str(path) and rank1.path == f"{path}.tp1" and rank1.bound
     assert host_times.LoopTimes(None).path is None
+
+
+def _row(**ms):
+    return {"rounds": 10, **{f"{c}_ms": ms.get(c, 0.0) for c in host_times.COLUMNS}}
+
+
+def test_the_table_has_rows_by_batch_then_server_and_extra_columns_last():
+    found = {"plain": {"4": dict(_row(period=3.0), loop_ms=1.0), "1": dict(_row(period=2.0), loop_ms=0.5)},
+             "kdtree-overlap": {"1": dict(_row(period=9.0, worker=7.0), loop_ms=2.0)}}
+    lines = host_times.format_table(found, extra=("loop",)).splitlines()  # as benchmarks/host_loop_cpu.py prints it
+    assert ([line.split(" | ")[:2] for line in lines[2:]]
+            == [["| 1", "plain"], ["| 1", "kdtree-overlap"], ["| 4", "plain"]])
+    assert lines[3].startswith("| 1 | kdtree-overlap | 10 | 9.000 |") and lines[3].endswith("| 2.000 |")
