@@ -24,8 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
-_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+),.*?gen throughput \(token/s\): ([\d.]+)")
-_PLAIN = re.compile(r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
+#: a speculative server's line has an accept length, a plain server's none
+_LINE = re.compile(r"Decode batch, #running-req: (\d+),(?:.*?accept len: ([\d.]+),)?.*?"
+                   r"gen throughput \(token/s\): ([\d.]+)")
 
 
 def parse(text: str) -> list[tuple[int, float, float]]:
@@ -37,11 +38,7 @@ def parse(text: str) -> list[tuple[int, float, float]]:
             break
         m = _LINE.search(line)
         if m:
-            rows.append((int(m[1]), float(m[2]), float(m[3])))
-            continue
-        m = _PLAIN.search(line)
-        if m:
-            rows.append((int(m[1]), 1.0, float(m[2])))
+            rows.append((int(m[1]), float(m[2] or 1.0), float(m[3])))
     return rows
 
 

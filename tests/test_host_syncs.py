@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1] / "sglang_kdtree"
 DECODE_PATH = (
     "worker.py", "pipeline.py", "contract.py", "width_choice.py", "round_faults.py", "seeded.py", "verify_input.py",
     "state.py", "spec_logprobs.py", "round_log.py", "verify_tiers.py", "prewarm.py", "reference_backend.py",
-    "sync_debug.py", "host_times.py", "gpu/*.py", "patches/*.py", "moe/forward.py", "moe/launch.py", "moe/routing.py", "moe/weights.py",
+    "sync_debug.py", "host_times.py", "gpu/*.py", "patches/*.py", "moe/forward.py", "moe/launch.py", "moe/routing.py",
+    "moe/weights.py",
 )
 #: numpy / float64 twins of kernels under the globs above: the tests run them, a server never does
 NOT_SERVED = {"gpu/mla_reference.py"}
