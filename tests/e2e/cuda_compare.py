@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from testbed.acceptance import first_difference
+
 
 def logprob_pair(plain: list[dict], spec: list[dict]) -> dict:
     """Ids identical, and the largest |difference| of the output tokens' logprobs (same tokens)."""
@@ -22,9 +24,8 @@ def logprob_pair(plain: list[dict], spec: list[dict]) -> dict:
 
 def first_mismatch(a: list[dict], b: list[dict]) -> str | None:
     for i, (x, y) in enumerate(zip(a, b)):
-        if x["output_ids"] != y["output_ids"]:
-            j = next((k for k, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])) if s != t),
-                     min(len(x["output_ids"]), len(y["output_ids"])))
+        j = first_difference(x["output_ids"], y["output_ids"])
+        if j is not None:
             return f"prompt {i}: first differing output index {j}: {x['output_ids']} vs {y['output_ids']}"
     return None
 

@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 STANDIN_DIR = HERE / "sgl_kernel_cuda"
 REPO = HERE.parent.parent
 
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(REPO)]  # cuda_compare imports testbed
 import make_tiny_models as tiny  # noqa: E402
 from cuda_compare import first_mismatch, host_syncs, logprob_pair  # noqa: E402,F401  (cs.first_mismatch etc.)
 
