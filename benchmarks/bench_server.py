@@ -381,6 +381,12 @@ def format_table(table: dict, depths: int, vocab: int) -> str:
     return "\n".join(lines)
 
 
+def write_report(out: Path, report: dict) -> None:
+    """``bench.json``: the run's settings and what it has measured so far (``table``, ``host_times``, then
+    ``idle`` and ``gc_frozen``)."""
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", default="kimi", help="target from tests/e2e/cuda_servers.variants (default kimi)")
@@ -411,33 +417,33 @@ def main(argv=None) -> int:
     variant = cuda_servers.variants(args.dtype)[args.variant]
     servers = start(variant, args.kinds, args.budget, args.out, args.widths, not args.baselines_no_overlap,
                     args.latency_split, args.host_times)
+    depths, vocab = _geometry(variant)
+    report = {"variant": args.variant, "budget": args.budget, "widths": args.widths, "new_tokens": args.new_tokens,
+              "baselines_overlap": not args.baselines_no_overlap, "latency_split": args.latency_split}
     try:
         failed = cuda_servers.wait_all(servers)
         for name, err in failed.items():
             print(f"{name} failed to start:\n{err}", file=sys.stderr)
             servers.pop(name)
-        table = measure(servers, args.batches, args.new_tokens, args.repeats)
-        host = read_host_times(servers, args.out) if args.host_times else {}  # before the profiled steps
-        idle = idle_gaps.trace_servers(
+        report["table"] = measure(servers, args.batches, args.new_tokens, args.repeats)
+        report["host_times"] = read_host_times(servers, args.out) if args.host_times else {}  # before the traces
+        # written and printed now: the profiled traces are the slow part, and a call that runs out of time
+        # in them keeps the timed table
+        write_report(args.out, report)
+        print(format_table(report["table"], depths, vocab), flush=True)
+        if report["host_times"]:
+            print("Host time per decode round, by step of the scheduler loop (medians, timed batches):\n"
+                  + format_host_times(report["host_times"]), flush=True)
+        report["idle"] = idle_gaps.trace_servers(
             servers, args.idle_batches, args.idle_steps, IDLE_TOKENS_PER_STEP * args.idle_steps, args.out / "traces",
             batch_of) if args.idle_steps else {}
     finally:
         for server in servers.values():
             server.stop()
     gc_frozen = {name: server.gc_frozen for name, server in servers.items()}
-    (args.out / "bench.json").write_text(json.dumps({"variant": args.variant, "budget": args.budget,
-                                                     "widths": args.widths, "new_tokens": args.new_tokens,
-                                                     "baselines_overlap": not args.baselines_no_overlap,
-                                                     "latency_split": args.latency_split,
-                                                     "gc_frozen": gc_frozen, "table": table,
-                                                     "idle": idle, "host_times": host}, indent=1))
-    depths, vocab = _geometry(variant)
-    print(format_table(table, depths, vocab))
-    if idle:
-        print("GPU idle time between rounds (profiled decode window):\n" + idle_gaps.format_table(idle))
-    if host:
-        print("Host time per decode round, by step of the scheduler loop (medians, timed batches):\n"
-              + format_host_times(host))
+    write_report(args.out, dict(report, gc_frozen=gc_frozen))
+    if report["idle"]:
+        print("GPU idle time between rounds (profiled decode window):\n" + idle_gaps.format_table(report["idle"]))
     unfrozen = sorted(name for name, frozen in gc_frozen.items() if not frozen)
     print("garbage collector frozen after startup (as after SGLang's warm-up): "
           + ("every server" if not unfrozen else "NOT in " + ", ".join(unfrozen)))

@@ -290,3 +290,35 @@ def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp
     assert lines[0].startswith("| batch | server | rounds | period ms | schedule ms | launch ms | worker ms |")
     # batch sizes in numeric order; each cell the column's own figure
     assert lines[2].startswith("| 1 | kdtree-63 | 40 | 0.250 | 0.750 | 1.000 | 1.750 |") and "| 32 |" in lines[3]
+
+
+def test_a_run_cut_off_in_its_traces_keeps_the_timed_table(tmp_path, monkeypatch, capsys):
+    """The profiled traces come last and are the slow part: ``bench.json`` and the printed table already hold the
+    timed batches and the host times when a trace fails (or the call's deadline stops it), and every server is
+    stopped either way."""
+    bench = _load()
+    variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
+                                    tp=1)
+    stopped = []
+    servers = {k: types.SimpleNamespace(stop=lambda k=k: stopped.append(k), gc_frozen=True) for k in ("plain", "kdtree")}
+    row = {"tok_s_per_request": 100.0, "tok_s_total": 100.0, "accept_len": 2.5, "runs": 1}
+    host = {"kdtree": {"1": {"rounds": 3}}}
+    monkeypatch.setattr(bench.cuda_servers, "variants", lambda dtype: {"v": variant})
+    monkeypatch.setattr(bench, "start", lambda *a, **k: dict(servers))
+    monkeypatch.setattr(bench.cuda_servers, "wait_all", lambda s: {})
+    monkeypatch.setattr(bench, "measure", lambda s, b, n, r: {"1": {"plain": row, "kdtree": row}})
+    monkeypatch.setattr(bench, "read_host_times", lambda s, out: host)
+    monkeypatch.setattr(bench, "format_host_times", lambda h: "HOST TABLE")
+    monkeypatch.setattr(bench, "_geometry", lambda v: (7, 1000))
+
+    def trace(*args):
+        raise TimeoutError("the trace ran out of time")
+
+    monkeypatch.setattr(bench.idle_gaps, "trace_servers", trace)
+    with pytest.raises(TimeoutError):
+        bench.main(["--out", str(tmp_path), "--variant", "v", "--batches", "1", "--host-times", "--idle-steps", "5"])
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["table"]["1"]["kdtree"] == row and saved["host_times"] == host and "idle" not in saved
+    out = capsys.readouterr().out
+    assert "| 1 | kdtree | 100.0 | 100.0 | 2.50 |" in out and "HOST TABLE" in out
+    assert sorted(stopped) == ["kdtree", "plain"]
