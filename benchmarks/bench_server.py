@@ -64,7 +64,7 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the 
 import cuda_servers  # noqa: E402
 
 from benchmarks import idle_gaps, server_kinds  # noqa: E402
-from sglang_kdtree.host_times import format_table as format_host_times  # noqa: E402
+from sglang_kdtree.host_times import format_round_steps, format_table as format_host_times  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
@@ -434,6 +434,9 @@ def main(argv=None) -> int:
         if report["host_times"]:
             print("Host time per decode round, by step of the scheduler loop (medians, timed batches):\n"
                   + format_host_times(report["host_times"]), flush=True)
+            steps = format_round_steps(report["host_times"])
+            if steps:
+                print("KDTREE's round by its own steps, host clock (medians, ms):\n" + steps, flush=True)
         report["idle"] = idle_gaps.trace_servers(
             servers, args.idle_batches, args.idle_steps, IDLE_TOKENS_PER_STEP * args.idle_steps, args.out / "traces",
             batch_of) if args.idle_steps else {}

@@ -21,6 +21,10 @@ and its time is split into the loop's steps (``patches/scheduler_loop_times.py``
 * ``other``: the rest of the pass (the loop's own lines, logging, idle checks);
 * ``period``: the whole pass.
 
+A KDTREE server also splits ``worker`` by the round's own steps (``round_log.RoundMarks`` on the host clock only:
+no event, no sync), as ``round_steps_ms`` beside the columns: which step of the round grows when the loop
+changes (overlap off and on) is then read, not guessed.
+
 Off unless ``KDTREE_HOST_TIMES`` names a file (rank r > 0 of tensor parallelism writes that name + ``.tp<r>``);
 then every ``FLUSH_EVERY`` rounds, when the batch size changes and at exit that file is rewritten with
 ``{batch size: {"rounds", "<column>_ms", ...}}``: per column, the median over the last ``WINDOW`` rounds of that
@@ -93,9 +97,14 @@ class LoopTimes:
             if self._pass is not None:
                 self._pass[step] += self.clock() - start
 
+    def round_steps(self, steps: dict) -> None:
+        """KDTREE's round in this pass, step by step (host ms, ``RoundMarks.host_ms``)."""
+        if self._pass is not None:
+            self._pass["steps"] = steps
+
     def _end_pass(self, now: float) -> None:
         done, self._pass = self._pass, None
-        start, bs = done.pop("start"), done.pop("bs")
+        start, bs, steps = done.pop("start"), done.pop("bs"), done.pop("steps", None)
         period = now - start
         if bs is None or period >= MAX_GAP_S:
             return
@@ -103,6 +112,8 @@ class LoopTimes:
             self.flush()  # a stretch at one size has ended: on file before the server may be stopped
         done["period"] = period
         done["other"] = period - sum(done[step] for step in PHASES)
+        if steps:
+            done["steps"] = steps
         self._rounds.setdefault(bs, deque(maxlen=WINDOW)).append(done)
         self._last_bs = bs
         self._since_flush += 1
@@ -115,6 +126,10 @@ class LoopTimes:
             rounds = self._rounds[bs]
             row = {"rounds": len(rounds)}
             row.update({f"{c}_ms": 1e3 * statistics.median(r[c] for r in rounds) for c in COLUMNS})
+            stepped = [r["steps"] for r in rounds if "steps" in r]
+            if stepped:
+                names = dict.fromkeys(n for st in stepped for n in st)
+                row["round_steps_ms"] = {n: statistics.median(st.get(n, 0.0) for st in stepped) for n in names}
             out[str(bs)] = row
         return out
 
@@ -139,6 +154,23 @@ def format_table(per_server: dict, extra: tuple = ()) -> str:
                 r = per_bs[bs]
                 cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in cols]
                 lines.append(f"| {bs} | {server} | {r['rounds']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_round_steps(per_server: dict) -> str:
+    """A markdown table of the KDTREE rounds' steps (``round_steps_ms``) beside ``worker``, rows by batch size then
+    server; "" when no server has them."""
+    rows = [(bs, server, per_bs[bs]) for bs in sorted({b for per_bs in per_server.values() for b in per_bs}, key=int)
+            for server, per_bs in per_server.items() if "round_steps_ms" in per_bs.get(bs, {})]
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(n for _, _, r in rows for n in r["round_steps_ms"]))
+    lines = ["| batch | server | worker ms | " + " | ".join(f"{n} ms" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for bs, server, r in rows:
+        steps = r["round_steps_ms"]
+        lines.append(f"| {bs} | {server} | {r['worker_ms']:.3f} | " + " | ".join(
+            f"{steps[n]:.3f}" if n in steps else "-" for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -170,3 +202,9 @@ def timed(round_fn, *args):
     if LOOP.path is None:
         return round_fn(*args)
     return LOOP.timed("worker", round_fn, *args)
+
+
+def round_steps(marks) -> None:
+    """The round's steps on the host clock (``marks``: its ``round_log.RoundMarks``) into the pass in progress."""
+    if LOOP.path is not None:
+        LOOP.round_steps(marks.host_ms())

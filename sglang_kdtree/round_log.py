@@ -39,8 +39,10 @@ class RoundMarks:
                 "verify_inputs": "tree", "prepare": "tree", "accept_commit_kv": "accept_commit",
                 "accept": "accept_commit", "commit": "accept_commit", "features": "accept_commit"}
 
-    def __init__(self, device, enabled: bool, events: list | None = None):
-        self._cuda = enabled and torch.device(device).type == "cuda"
+    def __init__(self, device, enabled: bool, events: list | None = None, device_clock: bool = True):
+        # device_clock=False: the host clock only, on a GPU too (no event, no sync: ``KDTREE_HOST_TIMES``'s
+        # per-step figures, which must not change the round they time)
+        self._cuda = enabled and device_clock and torch.device(device).type == "cuda"
         self._enabled = enabled
         self._clock = time.perf_counter
         # the worker's pool of timing events, reused round after round (each round's are read at its end, before
@@ -74,6 +76,10 @@ class RoundMarks:
             elapsed = lambda a, b: (b - a) * 1e3  # noqa: E731
         return [(name, elapsed(prev, cur), (h1 - h0) * 1e3)
                 for (_, prev, h0), (name, cur, h1) in zip(self._marks, self._marks[1:])]
+
+    def host_ms(self) -> dict:
+        """Every step on the host clock only (ms): reads no event, so it never waits for the device."""
+        return {name: (h1 - h0) * 1e3 for (_, _, h0), (name, _, h1) in zip(self._marks, self._marks[1:])}
 
     def split(self) -> dict:
         phases: dict = {}

@@ -272,7 +272,8 @@ class KDTreeWorker(DFlashWorkerV2):
         shape = self.geometry.shape(width)
         started = self.chooser.start()
         rnd = _Round(batch, draft_input, prefix_lens, prefix_cpu, prefix_sum,
-                     RoundMarks(self.device, enabled=self._round_log is not None, events=self._mark_events),
+                     RoundMarks(self.device, enabled=self._round_log is not None or host_times.enabled(),
+                                events=self._mark_events, device_clock=self._round_log is not None),
                      faults=None, shape=shape, started=started)
         self.backend.reserve(rnd.bs, self.budget, self.depths, self.vocab_size,
                              mask_bytes=full_mask_numel(rnd.prefix_sum, self.verify_width, rnd.bs))
@@ -451,6 +452,7 @@ class KDTreeWorker(DFlashWorkerV2):
             round_log.write_round_record(self._round_log, self.backend, self.device, acc, step.verify, step.trees,
                                          rnd.marks, target_out.can_run_cuda_graph, width=self.chooser.last,
                                          tiers=self.verify_tiers.stats())
+        host_times.round_steps(rnd.marks)
         next_draft_input = make_draft_input_v2(bonus_tokens=acc.bonus.to(torch.int64), new_seq_lens=new_seq_lens)
         self.deferred_faults.push(rnd.batch.reqs, fault_words)  # last: a retried round must not push twice
         return GenerationBatchResult(

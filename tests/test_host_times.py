@@ -187,3 +187,55 @@ def test_the_table_has_rows_by_batch_then_server_and_extra_columns_last():
     assert ([line.split(" | ")[:2] for line in lines[2:]]
             == [["| 1", "plain"], ["| 1", "kdtree-overlap"], ["| 4", "plain"]])
     assert lines[3].startswith("| 1 | kdtree-overlap | 10 | 9.000 |") and lines[3].endswith("| 2.000 |")
+
+
+def test_the_rounds_own_steps_are_host_clock_medians_of_the_rounds_that_have_them(monkeypatch):
+    """``round_steps``: the KDTREE round's marks, read on the host clock only, go into the pass in progress; per batch
+    size their medians sit beside the columns, over the rounds that carry them (a plain server's rounds carry
+    none), and the table shows them beside ``worker``."""
+    from sglang_kdtree.round_log import RoundMarks
+
+    clock = _Clock()
+    times = host_times.LoopTimes("unused", clock=clock)
+    monkeypatch.setattr(host_times, "LOOP", times)
+    rng = random.Random(5)
+    drawn = {"draft": [], "verify": []}
+    for n in range(5):
+        times.begin_pass()
+
+        def round_fn(n=n):
+            marks = RoundMarks("cuda", enabled=True, device_clock=False)  # no event: nothing here has a GPU
+            marks._clock = clock
+            marks._marks[0] = ("start", clock(), clock())
+            for name in ("draft", "verify"):
+                seconds = rng.uniform(1e-4, 3e-3)
+                drawn[name].append(seconds * 1e3)
+                clock.now += seconds
+                marks.mark(name)
+            host_times.round_steps(marks)
+
+        times.timed("launch", lambda: times.timed("worker", round_fn))
+        times.launched_decode(4)
+    _pass(times, clock, 4, [("launch", 2e-3, {"worker": 1e-3})])  # a round that marked nothing
+    times.begin_pass()
+    row = times.summary()["4"]
+    assert row["rounds"] == 6
+    for name, values in drawn.items():
+        assert row["round_steps_ms"][name] == pytest.approx(statistics.median(values))
+    table = host_times.format_round_steps({"kdtree": {"4": row}, "plain": {"4": {"worker_ms": 0.0, "rounds": 3}}})
+    lines = table.splitlines()
+    assert lines[0] == "| batch | server | worker ms | draft ms | verify ms |" and len(lines) == 3
+    assert lines[2].startswith(f"| 4 | kdtree | {row['worker_ms']:.3f} | {row['round_steps_ms']['draft']:.3f} |")
+    assert host_times.format_round_steps({"plain": {"4": {"worker_ms": 0.0, "rounds": 3}}}) == ""
+
+
+def test_round_steps_off_by_default_and_the_host_only_marks_make_no_cuda_event(monkeypatch):
+    from sglang_kdtree.round_log import RoundMarks
+
+    monkeypatch.setattr(host_times, "LOOP", host_times.LoopTimes(None))
+    marks = RoundMarks("cuda", enabled=True, device_clock=False, events=None)
+    marks.mark("draft")
+    assert marks._events == [] and set(marks.host_ms()) == {"draft"} and marks.host_ms()["draft"] >= 0
+    host_times.round_steps(marks)
+    assert host_times.LOOP.summary() == {}
+    assert RoundMarks("cpu", enabled=False).host_ms() == {}

@@ -480,7 +480,8 @@ def test_a_profiled_decode_window_writes_a_trace(kdtree_server, tmp_path):
 
 def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree_server, greedy_results):
     """``KDTREE_HOST_TIMES`` on a real server: SGLang's loop methods are wrapped, each decode pass is timed by step,
-    and the file is written when the batch size changes (here: a lone request after the concurrent ones)."""
+    KDTREE's round by its own steps on the host clock, and the file is written when the batch size changes (here: a
+    lone request after the concurrent ones)."""
     from sglang_kdtree import host_times
 
     kdtree_server.generate(_greedy(PROMPTS[0], max_new_tokens=24))
@@ -488,7 +489,11 @@ def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree
     per_bs = json.loads(kdtree_server.host_times.read_text())
     assert per_bs and "1" in per_bs
     for bs, row in per_bs.items():
-        assert row["rounds"] >= 1 and set(row) == {"rounds"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
+        assert row["rounds"] >= 1, bs
+        assert set(row) == {"rounds", "round_steps_ms"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
+        steps = row["round_steps_ms"]
+        assert {"draft", "verify", "accept_commit"} <= set(steps) and min(steps.values()) >= 0, (bs, steps)
+        assert steps["verify"] < row["period_ms"], (bs, row)
         assert row["period_ms"] >= row["launch_ms"] >= row["worker_ms"] > 0, (bs, row)
         assert row["process_ms"] >= row["wait_ms"] >= 0 and row["process_ms"] > 0, (bs, row)
         assert row["schedule_ms"] > 0 and row["ingest_ms"] > 0, (bs, row)
