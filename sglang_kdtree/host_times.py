@@ -22,8 +22,9 @@ and its time is split into the loop's steps (``patches/scheduler_loop_times.py``
 * ``period``: the whole pass.
 
 A KDTREE server also splits ``worker`` by the round's own steps (``round_log.RoundMarks`` on the host clock only:
-no event, no sync), as ``round_steps_ms`` beside the columns: which step of the round grows when the loop
-changes (overlap off and on) is then read, not guessed.
+no event, no sync), as ``round_steps_ms`` beside the columns (``unmarked``: the round's host time outside its marks,
+its start and its result): which step of the round grows when the loop changes (overlap off and on) is then read,
+not guessed.
 
 Off unless ``KDTREE_HOST_TIMES`` names a file (rank r > 0 of tensor parallelism writes that name + ``.tp<r>``);
 then every ``FLUSH_EVERY`` rounds, when the batch size changes and at exit that file is rewritten with
@@ -112,8 +113,8 @@ class LoopTimes:
             self.flush()  # a stretch at one size has ended: on file before the server may be stopped
         done["period"] = period
         done["other"] = period - sum(done[step] for step in PHASES)
-        if steps:
-            done["steps"] = steps
+        if steps:  # ``unmarked``: the round's host time before its first mark and after its last
+            done["steps"] = dict(steps, unmarked=1e3 * done["worker"] - sum(steps.values()))
         self._rounds.setdefault(bs, deque(maxlen=WINDOW)).append(done)
         self._last_bs = bs
         self._since_flush += 1

@@ -213,6 +213,7 @@ def test_the_rounds_own_steps_are_host_clock_medians_of_the_rounds_that_have_the
                 clock.now += seconds
                 marks.mark(name)
             host_times.round_steps(marks)
+            clock.now += 5e-4  # the round's result, after its last mark
 
         times.timed("launch", lambda: times.timed("worker", round_fn))
         times.launched_decode(4)
@@ -222,9 +223,11 @@ def test_the_rounds_own_steps_are_host_clock_medians_of_the_rounds_that_have_the
     assert row["rounds"] == 6
     for name, values in drawn.items():
         assert row["round_steps_ms"][name] == pytest.approx(statistics.median(values))
+    # the round's own time outside its marks: the worker's extra 0.5 ms a round
+    assert row["round_steps_ms"]["unmarked"] == pytest.approx(0.5)
     table = host_times.format_round_steps({"kdtree": {"4": row}, "plain": {"4": {"worker_ms": 0.0, "rounds": 3}}})
     lines = table.splitlines()
-    assert lines[0] == "| batch | server | worker ms | draft ms | verify ms |" and len(lines) == 3
+    assert lines[0] == "| batch | server | worker ms | draft ms | verify ms | unmarked ms |" and len(lines) == 3
     assert lines[2].startswith(f"| 4 | kdtree | {row['worker_ms']:.3f} | {row['round_steps_ms']['draft']:.3f} |")
     assert host_times.format_round_steps({"plain": {"4": {"worker_ms": 0.0, "rounds": 3}}}) == ""
 
