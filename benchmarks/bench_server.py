@@ -433,7 +433,7 @@ def main(argv=None) -> int:
         print(format_table(report["table"], depths, vocab), flush=True)
         if report["host_times"]:
             print("Host time per decode round, by step of the scheduler loop (medians, timed batches):\n"
-                  + format_host_times(report["host_times"]), flush=True)
+                  + format_host_times(report["host_times"], extra=("period_mean",)), flush=True)
             steps = format_round_steps(report["host_times"])
             if steps:
                 print("KDTREE's round by its own steps, host clock (medians, ms):\n" + steps, flush=True)

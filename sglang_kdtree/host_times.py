@@ -28,8 +28,8 @@ not guessed.
 
 Off unless ``KDTREE_HOST_TIMES`` names a file (rank r > 0 of tensor parallelism writes that name + ``.tp<r>``);
 then every ``FLUSH_EVERY`` rounds, when the batch size changes and at exit that file is rewritten with
-``{batch size: {"rounds", "<column>_ms", ...}}``: per column, the median over the last ``WINDOW`` rounds of that
-size (medians do not add up to the period's). A pass longer than ``MAX_GAP_S`` is idle time, not the loop, and is
+``{batch size: {"rounds", "<column>_ms", ..., "period_mean_ms"}}``: per column, the median over the last ``WINDOW``
+rounds of that size (medians do not add up to the period's), and the period's mean. A pass longer than ``MAX_GAP_S`` is idle time, not the loop, and is
 left out. Host wall time only: it runs on CPU servers too.
 """
 
@@ -127,6 +127,8 @@ class LoopTimes:
             rounds = self._rounds[bs]
             row = {"rounds": len(rounds)}
             row.update({f"{c}_ms": 1e3 * statistics.median(r[c] for r in rounds) for c in COLUMNS})
+            # the mean too: a decode rate is tokens over the summed periods, which a median does not give
+            row["period_mean_ms"] = 1e3 * statistics.fmean(r["period"] for r in rounds)
             stepped = [r["steps"] for r in rounds if "steps" in r]
             if stepped:
                 names = dict.fromkeys(n for st in stepped for n in st)

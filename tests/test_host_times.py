@@ -65,8 +65,10 @@ def test_steps_parts_and_other_against_a_hand_timeline(tmp_path):
     assert two["ingest_ms"] == pytest.approx(0.1) and two["schedule_ms"] == pytest.approx(0.5)
     assert two["sample_ms"] == pytest.approx(0.1) and two["other_ms"] == pytest.approx(0.3)
     assert two["period_ms"] == pytest.approx(0.1 + 0.5 + 4.0 + 2.0 + 0.1 + 0.3)
+    assert two["period_mean_ms"] == pytest.approx(0.1 + 0.5 + 4.0 + 2.0 + 0.1 + 0.3)
     three = got["3"]
     assert three["rounds"] == 1 and three["period_ms"] == pytest.approx(7.0) and three["other_ms"] == pytest.approx(1.0)
+    assert three["period_mean_ms"] == pytest.approx(7.0)
     assert three["process_ms"] == 0.0 and three["wait_ms"] == 0.0
     times.flush()
     assert json.loads(path.read_text())["2"]["rounds"] == 3
@@ -105,6 +107,7 @@ def test_medians_over_random_passes_and_the_file_is_rewritten_every_flush(tmp_pa
     assert on_disk["launch_ms"] == pytest.approx(1e3 * statistics.median(launches[:20]))
     got = times.summary()["8"]
     assert got["rounds"] == 25 and got["period_ms"] == pytest.approx(1e3 * statistics.median(periods))
+    assert got["period_mean_ms"] == pytest.approx(1e3 * statistics.fmean(periods))
     assert got["other_ms"] == pytest.approx(1e3 * statistics.median(p - x for p, x in zip(periods, launches)))
 
 

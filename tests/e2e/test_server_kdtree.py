@@ -490,7 +490,8 @@ def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree
     assert per_bs and "1" in per_bs
     for bs, row in per_bs.items():
         assert row["rounds"] >= 1, bs
-        assert set(row) == {"rounds", "round_steps_ms"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
+        assert set(row) == {"rounds", "round_steps_ms", "period_mean_ms"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
+        assert row["period_mean_ms"] > 0, (bs, row)
         steps = row["round_steps_ms"]
         assert {"draft", "verify", "accept_commit"} <= set(steps) and min(steps.values()) >= 0, (bs, steps)
         assert steps["verify"] < row["period_ms"], (bs, row)
