@@ -308,7 +308,7 @@ def test_a_run_cut_off_in_its_traces_keeps_the_timed_table(tmp_path, monkeypatch
     monkeypatch.setattr(bench.cuda_servers, "wait_all", lambda s: {})
     monkeypatch.setattr(bench, "measure", lambda s, b, n, r: {"1": {"plain": row, "kdtree": row}})
     monkeypatch.setattr(bench, "read_host_times", lambda s, out: host)
-    monkeypatch.setattr(bench, "format_host_times", lambda h: "HOST TABLE")
+    monkeypatch.setattr(bench, "format_host_times", lambda h, extra=(): "HOST TABLE")
     monkeypatch.setattr(bench, "_geometry", lambda v: (7, 1000))
 
     def trace(*args):
