@@ -29,8 +29,8 @@ not guessed.
 Off unless ``KDTREE_HOST_TIMES`` names a file (rank r > 0 of tensor parallelism writes that name + ``.tp<r>``);
 then every ``FLUSH_EVERY`` rounds, when the batch size changes and at exit that file is rewritten with
 ``{batch size: {"rounds", "<column>_ms", ..., "period_mean_ms"}}``: per column, the median over the last ``WINDOW``
-rounds of that size (medians do not add up to the period's), and the period's mean. A pass longer than ``MAX_GAP_S`` is idle time, not the loop, and is
-left out. Host wall time only: it runs on CPU servers too.
+rounds of that size (medians do not add up to the period's), and the period's mean. A pass longer than
+``MAX_GAP_S`` is idle time, not the loop, and is left out. Host wall time only: it runs on CPU servers too.
 """
 
 from __future__ import annotations

@@ -300,7 +300,8 @@ def test_a_run_cut_off_in_its_traces_keeps_the_timed_table(tmp_path, monkeypatch
     variant = types.SimpleNamespace(name="v", target=tmp_path / "t", drafter=tmp_path / "d", dtype="bfloat16", env={},
                                     tp=1)
     stopped = []
-    servers = {k: types.SimpleNamespace(stop=lambda k=k: stopped.append(k), gc_frozen=True) for k in ("plain", "kdtree")}
+    servers = {k: types.SimpleNamespace(stop=lambda k=k: stopped.append(k), gc_frozen=True)
+               for k in ("plain", "kdtree")}
     row = {"tok_s_per_request": 100.0, "tok_s_total": 100.0, "accept_len": 2.5, "runs": 1}
     host = {"kdtree": {"1": {"rounds": 3}}}
     monkeypatch.setattr(bench.cuda_servers, "variants", lambda dtype: {"v": variant})
