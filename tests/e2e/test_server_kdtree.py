@@ -489,12 +489,10 @@ def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree
     per_bs = json.loads(kdtree_server.host_times.read_text())
     assert per_bs and "1" in per_bs
     for bs, row in per_bs.items():
-        assert row["rounds"] >= 1, bs
         assert set(row) == {"rounds", "round_steps_ms", "period_mean_ms"} | {f"{c}_ms" for c in host_times.COLUMNS}, bs
-        assert row["period_mean_ms"] > 0, (bs, row)
-        steps = row["round_steps_ms"]
+        steps = row["round_steps_ms"]  # the round by its own marks: within the pass
         assert {"draft", "verify", "accept_commit"} <= set(steps) and min(steps.values()) >= 0, (bs, steps)
-        assert steps["verify"] < row["period_ms"], (bs, row)
+        assert row["rounds"] >= 1 and row["period_mean_ms"] > 0 and steps["verify"] < row["period_ms"], (bs, row)
         assert row["period_ms"] >= row["launch_ms"] >= row["worker_ms"] > 0, (bs, row)
         assert row["process_ms"] >= row["wait_ms"] >= 0 and row["process_ms"] > 0, (bs, row)
         assert row["schedule_ms"] > 0 and row["ingest_ms"] > 0, (bs, row)
