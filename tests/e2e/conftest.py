@@ -98,6 +98,9 @@ def base_server_args(model_path: Path, port: int, overlap: bool = True) -> list[
         "--chunked-prefill-size", "1024",
         "--page-size", "1",
         "--skip-server-warmup",
+        # an idle SGLang scheduler otherwise polls at 100 % of a core (SGLang's IdleSleeper docstring): the
+        # session's servers that wait for their next test would take CPU from the one under test
+        "--sleep-on-idle",
         "--log-level", "warning",
     ]
 
