@@ -145,26 +145,30 @@ class LoopTimes:
             os.replace(tmp, self.path)
 
 
+def _by_batch(per_server: dict):
+    """``(bs, server, row)`` of ``{server: {bs: summary row}}``, by batch size then server."""
+    for bs in sorted({b for per_bs in per_server.values() for b in per_bs}, key=int):
+        for server, per_bs in per_server.items():
+            if bs in per_bs:
+                yield bs, server, per_bs[bs]
+
+
 def format_table(per_server: dict, extra: tuple = ()) -> str:
     """A markdown table of ``{server: {bs: summary row}}`` (the files' contents), rows by batch size then server,
     ms per round in ``TABLE_COLUMNS`` then ``extra`` (further ``<column>_ms`` keys of the rows); "-" for none."""
     cols = TABLE_COLUMNS + tuple(extra)
     lines = ["| batch | server | rounds | " + " | ".join(f"{c} ms" for c in cols) + " |",
              "|---|---|---|" + "---|" * len(cols)]
-    for bs in sorted({b for per_bs in per_server.values() for b in per_bs}, key=int):
-        for server, per_bs in per_server.items():
-            if bs in per_bs:
-                r = per_bs[bs]
-                cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in cols]
-                lines.append(f"| {bs} | {server} | {r['rounds']} | " + " | ".join(cells) + " |")
+    for bs, server, r in _by_batch(per_server):
+        cells = [f"{r[f'{c}_ms']:.3f}" if r.get(f"{c}_ms") is not None else "-" for c in cols]
+        lines.append(f"| {bs} | {server} | {r['rounds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def format_round_steps(per_server: dict) -> str:
     """A markdown table of the KDTREE rounds' steps (``round_steps_ms``) beside ``worker``, rows by batch size then
     server; "" when no server has them."""
-    rows = [(bs, server, per_bs[bs]) for bs in sorted({b for per_bs in per_server.values() for b in per_bs}, key=int)
-            for server, per_bs in per_server.items() if "round_steps_ms" in per_bs.get(bs, {})]
+    rows = [(bs, server, r) for bs, server, r in _by_batch(per_server) if "round_steps_ms" in r]
     if not rows:
         return ""
     names = list(dict.fromkeys(n for _, _, r in rows for n in r["round_steps_ms"]))
