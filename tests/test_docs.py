@@ -24,7 +24,7 @@ HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 WORK_PERIOD = re.compile(r"\bsessions?\s+\d+", re.IGNORECASE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 #: RESULTS.md's sections (a word each heading must hold, in this order); all but the last carry a provenance table
-SECTIONS = ("Correctness on the H200", "tree step against the CPU heap path", "MLA", "Marlin", "Kimi round",
+SECTIONS = ("Correctness on the GPU", "tree step against the CPU heap path", "MLA", "Marlin", "Kimi round",
             "server bench", "Verify widths")
 PROVENANCE = ("date", "device", "command", "commit")
 
