@@ -36,8 +36,8 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   KV append of the accepted rows) are SGLang code that a DFLASH round runs too, reported beside it
   (``sglang_side``), not in it.
 
-For each batch size, one warm-up batch, then ``--repeats`` timed batches of ``bs`` concurrent greedy requests
-of ``--new-tokens`` tokens each (``ignore_eos``); per server it reports tokens/s per request (median over
+For each batch size, one warm-up batch per server, then ``--repeats`` timed batches of ``bs`` concurrent greedy
+requests of ``--new-tokens`` tokens each (``ignore_eos``), the servers taking turns (``measure``); per server it reports tokens/s per request (median over
 requests and repeats), aggregate tokens/s, and the mean accept length from SGLang's ``spec_accept_length``.
 With ``--idle-steps N``, every server then profiles N decode steps at each ``--idle-batches`` size and reports the
 GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
@@ -208,15 +208,25 @@ def _log_len(server) -> int:
 
 
 def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
+    """Per batch size: every server's warm-up batch, then the timed batches taken in turns, one server after
+    another and each turn starting one server later, so that a change of the shared host's speed during the run
+    falls on every server alike instead of on whichever ran last (on a host-paced target every step of one server's
+    round has run 10-20 % faster or slower than its neighbour's, with the sign changing between batch sizes)."""
     table = {}
+    kinds = list(servers)
     for bs in batches:
         batch = batch_of(bs)
-        for kind, server in servers.items():
+        for server in servers.values():
             run_batch(server, batch, new_tokens)  # warm-up (graph sizes, allocator)
-            start_line = _log_len(server)
+        start_lines = {kind: _log_len(server) for kind, server in servers.items()}
+        timed = {kind: [] for kind in kinds}
+        for turn in range(repeats):
+            for i in range(len(kinds)):
+                kind = kinds[(turn + i) % len(kinds)]
+                timed[kind].append(run_batch(servers[kind], batch, new_tokens))
+        for kind, server in servers.items():
             per_request, walls, accepts, first_token, decode = [], [], [], [], []
-            for _ in range(repeats):
-                wall, results = run_batch(server, batch, new_tokens)
+            for wall, results in timed[kind]:
                 walls.append(wall)
                 for r in results:
                     meta = r.get("meta_info", {})
@@ -235,7 +245,7 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
             }
             if first_token:  # --latency-split: the request's wait for its first token, then its decode rate
                 row.update(first_token_ms=statistics.median(first_token), decode_tok_s=statistics.median(decode))
-            rounds = _rounds(server, start_line, bs)
+            rounds = _rounds(server, start_lines[kind], bs)
             if rounds:
                 split = {p: statistics.median(r["ms"][p] for r in rounds) for p in PHASES}
                 split["bookkeeping"] = split["tree"] + split["accept_commit"]

@@ -250,6 +250,26 @@ def test_latency_split_starts_every_server_with_metrics_and_reports_first_token_
     assert "| 1 | kdtree-63-overlap | 20.0 | 400.0 |" in split and "plain" not in split
 
 
+def test_timed_batches_take_turns_across_servers_and_stay_with_their_server():
+    """Every server's warm-up first, then each turn runs every server once, the next turn starting one server later;
+    each row is built from its own server's batches only (a per-server wall time tells them apart)."""
+    bench = _load()
+    calls = []
+
+    def server(name, latency):
+        def generate(payload):
+            calls.append(name)
+            return {"output_ids": [0] * payload["sampling_params"]["max_new_tokens"],
+                    "meta_info": {"e2e_latency": latency, "spec_accept_length": 2.0}}
+        return types.SimpleNamespace(generate=generate, round_log=None)
+
+    servers = {"a": server("a", 0.1), "b": server("b", 0.2), "c": server("c", 0.4)}
+    table = bench.measure(servers, [1], new_tokens=8, repeats=3)
+    assert calls == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {k: r["tok_s_per_request"] for k, r in table["1"].items()} == pytest.approx({"a": 80, "b": 40, "c": 20})
+    assert all(r["runs"] == 3 for r in table["1"].values())
+
+
 def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp_path, monkeypatch):
     """``--host-times``: each server gets its own ``KDTREE_HOST_TIMES`` file; after the timed batches one short
     request at batch 1 makes the server write its last size, then the files are read and tabled."""
