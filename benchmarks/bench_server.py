@@ -37,8 +37,9 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
   (``sglang_side``), not in it.
 
 For each batch size, one warm-up batch per server, then ``--repeats`` timed batches of ``bs`` concurrent greedy
-requests of ``--new-tokens`` tokens each (``ignore_eos``), the servers taking turns (``measure``); per server it reports tokens/s per request (median over
-requests and repeats), aggregate tokens/s, and the mean accept length from SGLang's ``spec_accept_length``.
+requests of ``--new-tokens`` tokens each (``ignore_eos``), the servers taking turns (``measure``); per server it
+reports tokens/s per request (median over requests and repeats), aggregate tokens/s, and the mean accept length
+from SGLang's ``spec_accept_length``.
 With ``--idle-steps N``, every server then profiles N decode steps at each ``--idle-batches`` size and reports the
 GPU's idle time between rounds (``benchmarks/idle_gaps.py``): what overlap scheduling hides, measured on the same
 servers in the same run. With ``--latency-split`` every server starts with ``--enable-metrics`` (SGLang's
