@@ -13,7 +13,11 @@ counts), a replayed CUDA graph of the call with the split-K factor an eager call
 way SGLang's verify graph captures it (the split planned for a nominal context). The server runs the kernel only
 inside that captured graph, so the roofline percentage is the graph's; the eager one is printed beside it.
 
-CLI: ``python benchmarks/bench_mla_attention.py [--quick] [--deadline S] [--json PATH]``.
+``--sm120``: the grid of the kernel an sm_120 card runs (``mma_compact``, 96,512 B of shared memory per block) at
+Kimi K2.6's TP 8 shapes (8 heads; batch 1 / 8 / 32, widths 16 / 32 / 64, contexts 4k / 16k) against SGLang's Triton
+verify, the mma and the wgmma kernels, every one timed as a replayed CUDA graph (the server's way) in the same run.
+
+CLI: ``python benchmarks/bench_mla_attention.py [--quick | --sm120] [--deadline S] [--json PATH]``.
 pytest-benchmark: ``pytest benchmarks/bench_mla_attention.py`` (one mid-size shape, ours and Triton).
 """
 
@@ -145,7 +149,7 @@ def eager_splits(case, kernel):
     batch = case["kv_indptr"].shape[0] - 1
     width = case["q"].shape[0] // batch
     return mla.planned_num_splits(batch, width * case["q"].shape[1], case["kv_indices"].shape[0] / batch, width,
-                                  mla._num_sms(torch.cuda.current_device()), kernel)
+                                  mla.limits.current(torch.cuda.current_device()).sm_count, kernel)
 
 
 def graph_ms(fn, reps=5):
@@ -219,13 +223,67 @@ def run_grid(quick=False, deadline_s=1e9, with_torch_limit=8 * 16384):
     return dict(bandwidth=bandwidth, tensor_rate=rate, rows=rows)
 
 
+SM120_KERNELS = ("mma_compact", "mma", "wgmma")
+
+
+def run_sm120_grid(deadline_s=1e9):
+    """The ``--sm120`` grid: per cell, the graph-replay milliseconds of each kernel of ``SM120_KERNELS`` that runs here
+    and of SGLang's Triton verify, and mma_compact's share of the roofline (from its graph time)."""
+    from sglang_kdtree.gpu import limits
+    from sglang_kdtree.gpu.mla_attention import choose_kernel
+
+    t_start = time.perf_counter()
+    bandwidth, rate = measure_ceilings()
+    lim = limits.current(torch.cuda.current_device())
+    kernels = []
+    for k in SM120_KERNELS:
+        try:
+            kernels.append(choose_kernel(k, lim))
+        except ValueError as exc:
+            print(f"# {k} does not run here: {exc}", flush=True)
+    print(f"# ceilings: HBM {bandwidth / 1e12:.2f} TB/s (1 GiB copy), bf16 matmul {rate / 1e12:.0f} TFLOP/s; limits "
+          f"{lim.describe()}; graph-replay ms, split-K as the server's captured graph plans it", flush=True)
+    print(f"{'bs':>3} {'ctx':>6} {'N':>3} | " + " ".join(f"{k:>11}" for k in kernels)
+          + f" {'triton':>8} | {'x triton':>8} {'roof ms':>8} {'% roof':>6}", flush=True)
+    rows = []
+    for batch in (1, 8, 32):
+        for context in (4096, 16384):
+            for width in (16, 32, 64):
+                if time.perf_counter() - t_start > deadline_s:
+                    print(f"# deadline reached at {batch, context, width}", flush=True)
+                    return dict(bandwidth=bandwidth, tensor_rate=rate, limits=lim.describe(), rows=rows)
+                prefix = mixed_prefixes(batch, context, seed=batch + context + width)
+                case = synthetic_inputs(batch, width, 8, prefix, seed=1, spare_slots=0)
+                flops, nbytes = work(case, prefix)
+                roof_ms = max(nbytes / bandwidth, flops / rate) * 1e3
+                ms = {k: graph_ms(ours_runner(case, k)) for k in kernels}
+                try:
+                    ms["triton"] = graph_ms(sglang_triton_runner(case))
+                except Exception as exc:  # report, keep going: the comparison is the point of the run
+                    print(f"# triton failed at {batch, context, width}: {type(exc).__name__}: {exc}", flush=True)
+                    ms["triton"] = float("nan")
+                ours = ms["mma_compact"]
+                rows.append(dict(batch=batch, context=context, width=width, heads=8, prefix=prefix, ms=ms,
+                                 roofline_ms=roof_ms, flops=flops, bytes=nbytes))
+                print(f"{batch:>3} {context:>6} {width:>3} | " + " ".join(f"{ms[k]:>11.4f}" for k in kernels)
+                      + f" {ms['triton']:>8.4f} | {ms['triton'] / ours:>8.2f} {roof_ms:>8.4f} "
+                        f"{100 * roof_ms / ours:>6.1f}", flush=True)
+                del case
+                torch.cuda.empty_cache()
+    slower = [r for r in rows if not r["ms"]["mma_compact"] < r["ms"]["triton"]]
+    print(f"# mma_compact faster than SGLang's Triton verify in {len(rows) - len(slower)} of {len(rows)} cells"
+          + (f"; NOT in {[(r['batch'], r['context'], r['width']) for r in slower]}" if slower else ""), flush=True)
+    return dict(bandwidth=bandwidth, tensor_rate=rate, limits=lim.describe(), rows=rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="four shapes only (the two targets first)")
+    ap.add_argument("--sm120", action="store_true", help="the sm_120 kernel's grid against Triton, mma and wgmma")
     ap.add_argument("--deadline", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    result = run_grid(quick=args.quick, deadline_s=args.deadline)
+    result = run_sm120_grid(args.deadline) if args.sm120 else run_grid(quick=args.quick, deadline_s=args.deadline)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

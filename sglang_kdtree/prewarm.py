@@ -45,6 +45,27 @@ def rehearse_round(backend, bs: int, shape, device, hidden_size: int = 8, hidden
     return logits.numel() * logits.element_size()
 
 
+def _prepare_mla_verify(runner, device) -> None:
+    """An MLA target's fused tree verify: compile the kernel this GPU runs and check its launch against the device's
+    limits now (``mla_attention.prepare``), so a kernel that cannot launch here refuses the start, naming it, before
+    any round; with ``SGLANG_KDTREE_MLA=off`` SGLang's own path runs and there is nothing to check."""
+    from sglang_kdtree.patches import mla_tree_verify
+
+    if getattr(runner, "use_mla_backend", False) and mla_tree_verify.option() != "off":
+        from sglang_kdtree.gpu import mla_attention
+
+        mla_attention.prepare(device)
+
+
+def log_launch_limits(worker) -> None:
+    """On CUDA, the server log's line of what this GPU allows, the variant each step launched and the largest shared
+    memory any launch asked for (``gpu.limits.summary``)."""
+    if worker.backend.name == "gpu":
+        from sglang_kdtree.gpu import limits
+
+        logger.info("KDTREE launch limits: %s", limits.summary(limits.current(torch.device(worker.device).index)))
+
+
 def prewarm_round(worker):
     """``worker.prewarm_sampling`` on CUDA: rehearse the round at the largest verify batch (bounded like
     SGLang's graph batch sizes: larger batches grow the buffers) and report the peak as SGLang's
@@ -62,6 +83,7 @@ def prewarm_round(worker):
     for width in sorted({geometry.tiers[0], geometry.verify_width}):
         logits = rehearse_round(worker.backend, bs, geometry.shape(width), worker.device,
                                 hidden_size=int(runner.model_config.hidden_size), hidden_dtype=worker._draft_dtype)
+    _prepare_mla_verify(runner, worker.device)
     torch.cuda.synchronize()
     peak = torch.cuda.memory_stats()["allocated_bytes.all.peak"] - base
     # a return_logprob batch gathers and log-softmaxes the accepted rows on top (spec_logprobs)

@@ -38,25 +38,38 @@ def test_split_heuristic_counts_the_wgmma_kernels_64_key_stages():
     assert choose_num_splits(1, 136, 200, 132, key_tile=64) == 1
 
 
-def test_kernel_choice_follows_the_gpu_and_the_switch(monkeypatch):
-    """auto: wgmma on compute capability 9.0 only; the switch is read when no kernel= is given; a wgmma request on
-    another GPU, or a name that is no kernel, fails with the variable named (no silent fallback)."""
+def test_kernel_choice_follows_the_limits_and_the_switch(monkeypatch):
+    """auto: wgmma where it runs (sm_90), mma where its 155,648 B fit (sm_100), mma_compact on sm_120 (101,376 B per
+    block); the switch is read when no kernel= is given; a kernel the GPU cannot run, or a name that is no kernel,
+    fails with the variable named (no silent fallback)."""
+    from sglang_kdtree.gpu import limits
     from sglang_kdtree.gpu import mla_attention as mla
 
+    sm90, sm100, sm120 = (limits.for_arch(a) for a in ("9.0", "10.0", "12.0"))
     monkeypatch.delenv(mla.KERNEL_ENV, raising=False)
-    monkeypatch.setattr(mla.runtime, "device_capability", lambda index: (9, 0))
-    assert mla.resolve_kernel(None, 0) == "wgmma"
-    assert mla.resolve_kernel("mma", 0) == "mma"
+    assert [mla.choose_kernel(None, lim) for lim in (sm90, sm100, sm120)] == ["wgmma", "mma", "mma_compact"]
+    assert mla.choose_kernel("mma", sm90) == "mma" and mla.choose_kernel("mma_compact", sm90) == "mma_compact"
     monkeypatch.setenv(mla.KERNEL_ENV, "MMA")
-    assert mla.resolve_kernel(None, 0) == "mma"
-    monkeypatch.setattr(mla.runtime, "device_capability", lambda index: (8, 0))
+    assert mla.choose_kernel(None, sm90) == "mma"
+    with pytest.raises(ValueError, match="101,376 B"):
+        mla.choose_kernel(None, sm120)  # mma asks for 155,648 B
     monkeypatch.setenv(mla.KERNEL_ENV, "auto")
-    assert mla.resolve_kernel(None, 0) == "mma"
     with pytest.raises(ValueError, match="compute capability 9.0"):
-        mla.resolve_kernel("wgmma", 0)
+        mla.choose_kernel("wgmma", sm120)
     monkeypatch.setenv(mla.KERNEL_ENV, "flash")
     with pytest.raises(ValueError, match=mla.KERNEL_ENV):
-        mla.resolve_kernel(None, 0)
+        mla.choose_kernel(None, sm90)
+
+
+def test_kernel_shapes_shared_memory():
+    """The shared memory each shape asks for, computed by hand from the .cu's layout: Q tile + two key stages + P tile
+    (bf16, row pitches 584 and key_tile + 8) + four float rows; the compact shape fits sm_120's 101,376 B."""
+    from sglang_kdtree.gpu import mla_attention as mla
+
+    assert mla.SHAPES["mma"].smem_bytes == 2 * (64 * 584 + 64 * 584 + 64 * 40) + 1024 == 155_648
+    assert mla.SHAPES["mma_compact"].smem_bytes == 2 * (48 * 584 + 32 * 584 + 48 * 24) + 768 == 96_512
+    assert mla.SHAPES["mma_compact"].smem_bytes <= 101_376 < mla.SHAPES["mma"].smem_bytes
+    assert mla.SHAPES["wgmma"].smem_bytes == 230_912
 
 
 def test_load_module_arch_compiles_to_a_cached_cubin(tmp_path, monkeypatch):

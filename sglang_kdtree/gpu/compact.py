@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_kdtree.contract import CommitPlan
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import limits, runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 from sglang_kdtree.gpu.errors import new_error_flag
@@ -37,11 +37,10 @@ __all__ = [
 
 _PLAN_THREADS = 128
 _COMPACT_THREADS = 256  # = COMPACT_THREADS in kv_compact.cu
-#: blocks resident at once on an H200 (132 SMs x 4 compaction blocks); several waves balance the tail
-_RESIDENT_BLOCKS = 132 * 4
+#: compaction blocks resident per SM; SMs x this is a wave (several waves balance the tail), and small batches split
+#: rows until a launch has at least one wave
+_BLOCKS_PER_SM = 4
 _GATHER_THREADS = 128
-#: aim for at least this many blocks per launch so small batches still spread over the H200's 132 SMs
-_TARGET_BLOCKS = 4 * 132
 
 
 @dataclass(frozen=True)
@@ -219,10 +218,11 @@ def compact_kv(kv, plan, *, errors=None):
     row_units = table.row_bytes // unit
     # large batches: several layers per block (the plan is read once per block); small batches: split the
     # rows by columns so layers x requests still fill the SMs
-    layers_per_block = max(1, min(table.num_layers, table.num_layers * bs // (3 * _RESIDENT_BLOCKS)))
+    wave = _BLOCKS_PER_SM * limits.current(table.device.index).sm_count
+    layers_per_block = max(1, min(table.num_layers, table.num_layers * bs // (3 * wave)))
     groups = -(-table.num_layers // layers_per_block)
     blocks = groups * bs
-    splits = max(1, min(-(-_TARGET_BLOCKS // blocks), row_units // 8 or 1))
+    splits = max(1, min(-(-wave // blocks), row_units // 8 or 1))
     kernel = _kernel("kv_compact.cu", {16: "compact_kv_16B", 4: "compact_kv_4B", 2: "compact_kv_2B", 1: "compact_kv_1B"}[unit])
     with runtime.current_stream():
         kernel(

@@ -2,12 +2,17 @@
 ``mla_tree_verify_reference`` (same positional signature, same results up to bf16 rounding) and the random inputs of
 the tests and benchmarks live in ``sglang_kdtree.gpu.mla_reference``.
 
-Kernels (``kernel=`` / ``$SGLANG_KDTREE_MLA_KERNEL``: ``auto``, ``wgmma`` or ``mma``):
+Kernels (``kernel=`` / ``$SGLANG_KDTREE_MLA_KERNEL``: ``auto``, ``wgmma``, ``mma`` or ``mma_compact``):
 
-* ``wgmma`` (``sglang_kdtree/kernels/mla_tree_verify_wgmma.cu``): Hopper warpgroup MMA (sm_90a), 64 keys per stage; the default
-  on compute capability 9.0;
-* ``mma`` (``sglang_kdtree/kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 32 keys per stage; any other GPU, and the
-  fallback. Both share the split-K merge kernel and the launch counter.
+* ``wgmma`` (``sglang_kdtree/kernels/mla_tree_verify_wgmma.cu``): Hopper warpgroup MMA (sm_90a), 64 keys per stage; the
+  default where wgmma runs (compute capability 9.0);
+* ``mma`` (``sglang_kdtree/kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 64 rows x 32-key stages, 155,648 B of shared
+  memory per block; the default on other GPUs that allow it (sm_100);
+* ``mma_compact``: the same source at 48 rows x 16-key stages, 96,512 B; the default where ``mma`` does not fit
+  (sm_120: 101,376 B per block). All share the split-K merge kernel; each has its launch counter.
+
+``auto`` decides from ``sglang_kdtree.gpu.limits.current()``, so ``KDTREE_DEVICE_PROFILE=sm_120`` runs ``mma_compact`` on
+an H200 too; every launch is checked against those limits first (``limits.check_launch``).
 
 Semantics: request ``b`` verifies ``N`` tree nodes. Query row ``(b*N + i, h)`` is the absorbed query
 ``[q_nope (512) | q_rope (64)]``; keys are 576-wide rows of SGLang's MLA pool (latent ``c_kv`` then ``k_rope``)
@@ -33,10 +38,11 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import limits, runtime
 
 __all__ = [
     "KV_LORA_RANK",
@@ -51,52 +57,80 @@ __all__ = [
     "prepare",
     "kernel_option",
     "resolve_kernel",
+    "choose_kernel",
+    "KernelShape",
+    "SHAPES",
 ]
 
 KV_LORA_RANK = 512
 QK_ROPE_DIM = 64
 QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM
 
-_ROW_TILE = 64  # query (node, head) rows per CTA, both kernels; must match ROW_TILE in the .cu files
-_KEY_TILE = 32  # keys per pipeline stage of the mma kernel; must match KEY_TILE in mla_tree_verify.cu
-_THREADS = 256
-_LDS = QK_HEAD_DIM + 8
-_SMEM_BYTES = 2 * (_ROW_TILE * _LDS + 2 * _KEY_TILE * _LDS + _ROW_TILE * (_KEY_TILE + 8)) + 4 * 4 * _ROW_TILE
-#: the wgmma kernel: its source, target, keys per stage and shared memory (Q, two key tiles, P: 64 x 576 / 64 x 64
-#: bf16 tiles; two rows of float row factors; 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB)
+_KEY_UNIT = 32  # the split-K cost model counts key work in 32-key units, whatever the kernel's stage
+_LDS = QK_HEAD_DIM + 8  # the mma kernel's shared-memory row pitch (LDS in mla_tree_verify.cu)
+MMA_SOURCE = "mla_tree_verify.cu"
 WGMMA_SOURCE = "mla_tree_verify_wgmma.cu"
 WGMMA_ARCH = runtime.ARCH_SPECIFIC[WGMMA_SOURCE]
-_WGMMA_KEY_TILE = 64
-_WGMMA_SMEM_BYTES = 3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * _ROW_TILE + 1024
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """A tree-verify kernel's CTA: query rows, keys per pipeline stage, threads, dynamic shared memory, and the
+    NVRTC options that select it (``ROW_TILE`` / ``THREADS`` / ``KEY_TILE`` of the ``.cu`` files)."""
+
+    source: str
+    row_tile: int
+    key_tile: int
+    threads: int
+    smem_bytes: int
+    options: tuple[str, ...] = ()
+
+
+def _mma_smem(row_tile: int, key_tile: int) -> int:
+    # Q tile + double-buffered key tile + P tile (bf16, padded pitches), then two float rows of maxima and sums
+    return 2 * (row_tile * _LDS + 2 * key_tile * _LDS + row_tile * (key_tile + 8)) + 4 * 4 * row_tile
+
+
+#: every kernel's shape. wgmma: Q, two key tiles and P as 64 x 576 / 64 x 64 bf16 tiles, two rows of float row
+#: factors, and 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB.
+SHAPES = {
+    "wgmma": KernelShape(WGMMA_SOURCE, 64, 64, 256, 3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * 64 + 1024),
+    "mma": KernelShape(MMA_SOURCE, 64, 32, 256, _mma_smem(64, 32)),
+    "mma_compact": KernelShape(MMA_SOURCE, 48, 16, 192, _mma_smem(48, 16),
+                               ("-DROW_TILE=48", "-DTHREADS=192", "-DKEY_TILE=16")),
+}
 KERNEL_ENV = "SGLANG_KDTREE_MLA_KERNEL"
-KERNELS = ("wgmma", "mma")
+KERNELS = tuple(SHAPES)
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 256  # below this the merge pass costs more than the extra parallelism gains
 _GRAPH_MEAN_PREFIX = 4096  # context the split factor is planned for when the launch is captured in a CUDA graph
 
 
 @functools.cache
-def _kernels():
-    module = runtime.load_module("mla_tree_verify.cu")
-    fns = {name: module.get_function(name) for name in ("mla_tree_verify_i64", "mla_tree_verify_i32")}
-    for fn in fns.values():
-        # 152 KiB of shared memory per CTA: Q tile + double-buffered key tile + P tile.
-        fn.max_dynamic_shared_size_bytes = _SMEM_BYTES
-    fns["merge"] = module.get_function("mla_tree_verify_merge")
-    return fns
-
-
-@functools.cache
-def _wgmma_kernels():
-    module = runtime.load_module_arch(WGMMA_SOURCE, WGMMA_ARCH)
-    fns = {name: module.get_function(f"mla_tree_verify_wgmma_{name}") for name in ("i64", "i32")}
-    for fn in fns.values():
-        fn.max_dynamic_shared_size_bytes = _WGMMA_SMEM_BYTES  # 225.5 KiB: one CTA per SM
+def _kernels(kernel: str, device_index: int):
+    """``kernel``'s two entry points (``i64``, ``i32``), the merge, and ``asked`` (the most shared memory a launch asks
+    for), compiled once per process and checked against the device's limits (``limits.LaunchDoesNotFit`` names what
+    does not fit)."""
+    shape = SHAPES[kernel]
+    if kernel == "wgmma":
+        module = runtime.load_module_arch(WGMMA_SOURCE, WGMMA_ARCH)
+        fns = {name: module.get_function(f"mla_tree_verify_wgmma_{name}") for name in ("i64", "i32")}
+    else:
+        module = runtime.load_module(MMA_SOURCE, shape.options)
+        fns = {name: module.get_function(f"mla_tree_verify_{name}") for name in ("i64", "i32")}
+    lim = limits.current(device_index)
+    for name, fn in fns.items():
+        limits.check_launch(f"mla_tree_verify ({kernel}, {name})", shape.threads, shape.smem_bytes,
+                            fn.shared_size_bytes, lim, fn.num_regs,
+                            fix=f"unset {KERNEL_ENV} (auto picks a kernel that fits)")
+        fn.max_dynamic_shared_size_bytes = shape.smem_bytes  # above 48 KiB: the per-kernel opt-in
+    fns["asked"] = shape.smem_bytes + max(fn.shared_size_bytes for fn in fns.values())
+    fns["merge"] = (module if kernel != "wgmma" else runtime.load_module(MMA_SOURCE)).get_function("mla_tree_verify_merge")
     return fns
 
 
 def kernel_option(kernel=None) -> str:
-    """``auto``, ``wgmma`` or ``mma``: ``kernel`` or, when None, ``$SGLANG_KDTREE_MLA_KERNEL`` (default ``auto``),
+    """``auto`` or a name of ``KERNELS``: ``kernel`` or, when None, ``$SGLANG_KDTREE_MLA_KERNEL`` (default ``auto``),
     normalised; any other value is an error naming the variable (the plugin checks it when it registers)."""
     import os
 
@@ -104,21 +138,31 @@ def kernel_option(kernel=None) -> str:
         kernel = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if kernel not in ("auto",) + KERNELS:
         raise ValueError(f"kdtree: MLA tree-verify kernel {kernel!r} (argument kernel= or {KERNEL_ENV}) is not one "
-                         f"of auto|wgmma|mma; unset {KERNEL_ENV} or pick one")
+                         f"of auto|{'|'.join(KERNELS)}; unset {KERNEL_ENV} or pick one")
+    return kernel
+
+
+def choose_kernel(kernel, lim: limits.DeviceLimits) -> str:
+    """The kernel a GPU with limits ``lim`` runs for ``kernel`` (``auto`` or a name; ``None`` reads the variable):
+    ``auto`` takes wgmma where it runs, else mma where its shared memory fits, else mma_compact. Naming a kernel the
+    GPU cannot run is an error naming the limit and the fix."""
+    kernel = kernel_option(kernel)
+    if kernel == "auto":
+        if lim.wgmma:
+            return "wgmma"
+        return "mma" if SHAPES["mma"].smem_bytes <= lim.smem_per_block else "mma_compact"
+    if kernel == "wgmma" and not lim.wgmma:
+        raise ValueError(f"the wgmma MLA kernel needs compute capability 9.0 (sm_90a); this GPU is "
+                         f"{lim.arch_name} ({lim.source}): use {KERNEL_ENV}=auto")
+    if SHAPES[kernel].smem_bytes > lim.smem_per_block:
+        raise ValueError(f"the {kernel} MLA kernel needs {SHAPES[kernel].smem_bytes:,} B of shared memory per block; "
+                         f"{lim.arch_name} ({lim.source}) allows {lim.smem_per_block:,} B: use {KERNEL_ENV}=auto")
     return kernel
 
 
 def resolve_kernel(kernel, device_index: int) -> str:
-    """``"wgmma"`` or ``"mma"``: ``kernel`` as asked (``None`` reads ``$SGLANG_KDTREE_MLA_KERNEL``, default
-    ``auto``: wgmma on compute capability 9.0, else mma). Asking for wgmma on another GPU is an error."""
-    kernel = kernel_option(kernel)
-    hopper = runtime.arch_runs_here(WGMMA_ARCH, device_index)
-    if kernel == "auto":
-        return "wgmma" if hopper else "mma"
-    if kernel == "wgmma" and not hopper:
-        raise ValueError(f"the wgmma MLA kernel needs compute capability 9.0 (sm_90a); this GPU is "
-                         f"{runtime.device_capability(device_index)}: use kernel='mma' or {KERNEL_ENV}=mma")
-    return kernel
+    """``choose_kernel`` for the limits of device ``device_index`` (or ``$KDTREE_DEVICE_PROFILE``'s)."""
+    return choose_kernel(kernel, limits.current(device_index))
 
 
 _counters: dict[tuple[int, str], torch.Tensor] = {}
@@ -140,10 +184,8 @@ def prepare(device) -> None:
     compile nor a fresh counter may happen inside a capture)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    _kernels()
     kernel = resolve_kernel(None, index)
-    if kernel == "wgmma":
-        _wgmma_kernels()
+    limits.record_launch("mla_verify", kernel, _kernels(kernel, index)["asked"])
     _launch_counter(index, kernel)
 
 
@@ -161,27 +203,22 @@ def launch_count(device=None) -> int:
     return sum(launch_counts(device).values())
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(batch: int, rows_per_request: int, mean_keys: float, num_sms: int,
-                      key_tile: int = _KEY_TILE) -> int:
+                      key_tile: int = 32, row_tile: int = 64) -> int:
     """Split-K factor: minimise (waves of CTAs) x (key tiles per CTA + fixed cost), with a merge penalty.
 
     One CTA per SM fits (its shared memory), so a wave is ``num_sms`` CTAs; small batches with long contexts
-    split the keys so every SM has work, large batches keep one split (no partial-state traffic). ``key_tile``:
-    the kernel's keys per stage (32 for mma, 64 for wgmma); costs are counted in 32-key units either way.
+    split the keys so every SM has work, large batches keep one split (no partial-state traffic). ``key_tile`` /
+    ``row_tile``: the kernel's keys per stage and rows per CTA (``SHAPES``); costs are counted in 32-key units.
     """
-    ctas = batch * math.ceil(rows_per_request / _ROW_TILE)
+    ctas = batch * math.ceil(rows_per_request / row_tile)
     best, best_cost = 1, None
     for s in range(1, _MAX_SPLITS + 1):
         per = math.ceil(mean_keys / s / key_tile) * key_tile
         if s > 1 and per < _MIN_KEYS_PER_SPLIT:
             break
         waves = math.ceil(ctas * s / num_sms)
-        cost = waves * (per / _KEY_TILE + 2) + (6 if s > 1 else 0)
+        cost = waves * (per / _KEY_UNIT + 2) + (6 if s > 1 else 0)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -197,8 +234,8 @@ def planned_num_splits(batch: int, rows_per_request: int, mean_prefix: float, wi
     graph keeps)."""
     if capturing:
         mean_prefix = min(mean_prefix, _GRAPH_MEAN_PREFIX)
-    key_tile = _WGMMA_KEY_TILE if kernel == "wgmma" else _KEY_TILE
-    return choose_num_splits(batch, rows_per_request, mean_prefix + width, num_sms, key_tile)
+    shape = SHAPES[kernel]
+    return choose_num_splits(batch, rows_per_request, mean_prefix + width, num_sms, shape.key_tile, shape.row_tile)
 
 
 def _require(cond: bool, exc, msg: str) -> None:
@@ -296,7 +333,8 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
     rows = q.shape[0] * heads
     rows_per_request = width * heads
     if num_splits is None:
-        num_splits = planned_num_splits(batch, rows_per_request, mean_prefix, width, _num_sms(device_index), kernel,
+        num_splits = planned_num_splits(batch, rows_per_request, mean_prefix, width,
+                                        limits.current(device_index).sm_count, kernel,
                                         torch.cuda.is_current_stream_capturing())
     _require(
         isinstance(num_splits, int) and 1 <= num_splits <= 4096,
@@ -311,13 +349,11 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
         part_o_ptr, part_ml_ptr = part_o.data_ptr(), part_ml.data_ptr()
     else:
         part_o_ptr = part_ml_ptr = 0
-    fns = _kernels()
-    index_kind = "i32" if kv_indices.dtype == torch.int32 else "i64"
-    if kernel == "wgmma":
-        fn, smem = _wgmma_kernels()[index_kind], _WGMMA_SMEM_BYTES
-    else:
-        fn, smem = fns[f"mla_tree_verify_{index_kind}"], _SMEM_BYTES
-    grid = (math.ceil(rows_per_request / _ROW_TILE), num_splits, batch)
+    fns = _kernels(kernel, device_index)
+    shape = SHAPES[kernel]
+    fn = fns["i32" if kv_indices.dtype == torch.int32 else "i64"]
+    limits.record_launch("mla_verify", kernel, fns["asked"])
+    grid = (math.ceil(rows_per_request / shape.row_tile), num_splits, batch)
     # Raw device pointers (np.uint64) instead of CuPy arrays: CuPy has no bfloat16 dtype, and the kernel
     # only needs addresses. Every tensor referenced here stays alive in this frame until the launch is queued.
     ptr = np.uint64
@@ -331,7 +367,7 @@ def _launch(q, kv2, kv_start, kv_end, kv_indices, tree_slots, ancestor_bits, sm_
         ptr(_launch_counter(device_index, kernel).data_ptr()),
     )
     with runtime.current_stream():
-        fn(grid, (_THREADS,), args, shared_mem=smem)
+        fn(grid, (shape.threads,), args, shared_mem=shape.smem_bytes)
         if num_splits > 1:
             fns["merge"](
                 (rows,), (128,),
@@ -357,7 +393,7 @@ def mla_tree_verify(q, kv_buffer, kv_indptr, kv_indices, tree_slots, ancestor_bi
         out: optional ``[bs*N, H, 512]`` bf16 output buffer (written fully).
         lse: optional ``[bs*N, H]`` float32 LSE buffer (natural log).
         num_splits: split-K factor over the keys; default from ``choose_num_splits``.
-        kernel: ``"auto"``, ``"wgmma"`` or ``"mma"`` (module docstring); default ``$SGLANG_KDTREE_MLA_KERNEL``.
+        kernel: ``"auto"`` or a name of ``KERNELS`` (module docstring); default ``$SGLANG_KDTREE_MLA_KERNEL``.
 
     Returns:
         ``(out [bs*N, H, 512] bf16, lse [bs*N, H] float32)``.

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import limits, runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 #: the one device error table (gpu.errors, mirroring sglang_kdtree/kernels/common.cuh)
@@ -387,6 +387,8 @@ def merge_topk_partials(top_logits, ids, lse, k: int, *, error_flag=None, check:
     flag = new_error_flag(dev) if error_flag is None else error_flag
     if rows:
         fn = runtime.load_module(_KERNEL, _OPTIONS).get_function("topk_merge_shards")
+        limits.check_launch(f"topk_merge_shards ({n} candidates per row)", MERGE_THREADS, p * 8, fn.shared_size_bytes,
+                            limits.current(dev.index), fix="merge fewer shards or take fewer candidates per shard")
         fn.max_dynamic_shared_size_bytes = max(p * 8, 1)
         with runtime.current_stream():
             fn((rows,), (MERGE_THREADS,),

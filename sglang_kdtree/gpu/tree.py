@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_kdtree.contract import Trees
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import limits, runtime
 from sglang_kdtree.gpu.topk import (
     TopKWorkspace,
     _check_k,
@@ -25,12 +25,12 @@ from sglang_kdtree.gpu.topk import (
 )
 from sglang_kdtree.state import MAX_BUDGET
 
-__all__ = ["build_trees", "build_trees_verify", "TreeBuilder", "MAX_DEPTH"]
+__all__ = ["build_trees", "build_trees_verify", "TreeBuilder", "MAX_DEPTH", "tree_launches", "check_tree_fits",
+           "largest_budget"]
 
 MAX_DEPTH = 31
 _KERNEL = "best_first_tree.cu"
 _THREADS = 128  # every tree kernel: warp 0 builds the tree, warps 1.. validate the input meanwhile
-_SMEM_LIMIT = 227 * 1024
 # Budgets up to LIST_MAX_BUDGET take the sorted-list kernels (build_trees_list1 / 2 / 4: candidates in
 # warp 0's registers, exact for budget <= 64 * J); larger budgets the shared-memory slot kernel
 # (build_trees_kernel). Both are exact; tests set this to 0 to run the slot kernel at every budget.
@@ -41,6 +41,7 @@ FUSE_VERIFY = True
 
 
 _STATIC_SMEM: dict[str, int] = {}  # each tree kernel's static shared memory, read from the driver once
+_CHECKED: dict[tuple[str, int], int] = {}  # (kernel, dynamic shared memory) launches checked: the total they ask for
 
 
 def _tree_kernel_name(budget: int) -> str:
@@ -55,6 +56,53 @@ def tree_smem_bytes(name: str, depth: int, ks: int) -> int:
     if name == "build_trees_kernel":
         return max(depth, 1) * ks * 4
     return (depth * (ks + 1) + 1) * 8
+
+
+def tree_launches(budget: int, depth: int) -> list[tuple[str, int]]:
+    """``(kernel, dynamic shared memory)`` of each tree launch a round at ``budget`` with ``depth`` draft depths may
+    make (top-K keeps ``K = budget`` candidates per depth, so a block stages ``depth x budget`` of them): the fused
+    build-and-verify kernel and the build-only one for the list budgets, the slot kernel beyond."""
+    name = _tree_kernel_name(max(budget, 0))
+    ks = max(budget, 1)
+    smem = tree_smem_bytes(name, depth, ks)
+    if name == "build_trees_kernel":
+        return [(name, smem)]
+    return [(name, smem), (name.replace("build_trees_list", "build_trees_verify_list"), smem)]
+
+
+def _static_smem_here(name: str) -> int:
+    """A tree kernel's static shared memory on this GPU, from the driver (once per kernel)."""
+    if name not in _STATIC_SMEM:
+        _STATIC_SMEM[name] = runtime.load_module(_KERNEL).get_function(name).shared_size_bytes
+    return _STATIC_SMEM[name]
+
+
+def _fits(budget: int, depth: int, lim: limits.DeviceLimits, static_smem) -> bool:
+    return all(smem + static_smem(name) <= lim.smem_per_block for name, smem in tree_launches(budget, depth))
+
+
+def largest_budget(depth: int, lim: limits.DeviceLimits, static_smem=_static_smem_here) -> int:
+    """The largest budget (<= ``MAX_BUDGET``) whose tree launches fit ``lim`` at ``depth``; ``static_smem(name)``
+    gives each kernel's static shared memory (default: the running GPU's; ``doctor --arch`` reads a cubin's)."""
+    budget = MAX_BUDGET
+    while budget > 1 and not _fits(budget, depth, lim, static_smem):
+        budget -= 1
+    return budget
+
+
+def check_tree_fits(budget: int, depth: int, lim: limits.DeviceLimits, static_smem=_static_smem_here) -> None:
+    """Raise ``limits.LaunchDoesNotFit`` naming the limit and the largest budget that fits, unless every tree launch
+    of a round at ``budget`` and ``depth`` fits ``lim``: the server calls it when it sizes its round, so a budget
+    the GPU cannot build is refused at startup, never in a round."""
+    if _fits(budget, depth, lim, static_smem):
+        return
+    largest = largest_budget(depth, lim, static_smem)
+    fix = (f"the largest budget that fits at {depth} draft depths is {largest}: verify at most {largest + 1} rows "
+           f"(SGLANG_KDTREE_VERIFY_WIDTHS / --speculative-num-draft-tokens), or draft fewer depths "
+           f"(--speculative-dflash-block-size)")
+    for name, smem in tree_launches(budget, depth):
+        limits.check_launch(f"{name} (budget {budget}, {depth} draft depths)", _THREADS, smem, static_smem(name), lim,
+                            fix=fix)
 
 
 def _check_budget(budget) -> int:
@@ -197,13 +245,14 @@ class _TreeLaunch:
         ks = min(self.k, self.width) if self.k else 1  # ranks >= budget + 1 can never be pushed
         smem = tree_smem_bytes(self.name, self.depth, ks)
         fn = runtime.load_module(_KERNEL).get_function(name)
-        static_smem = _STATIC_SMEM.get(name)
-        if static_smem is None:
-            static_smem = _STATIC_SMEM[name] = fn.shared_size_bytes
-        if smem + static_smem > _SMEM_LIMIT:
-            raise ValueError(f"L*min(K, budget+1) = {self.depth}*{ks} log-probs do not fit in shared memory")
-        if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
-            fn.max_dynamic_shared_size_bytes = _SMEM_LIMIT - static_smem
+        if (name, smem) not in _CHECKED:  # once per kernel and size: the check reads the device's limits
+            static_smem = _static_smem_here(name)
+            limits.check_launch(f"{name} ({self.depth} draft depths x {ks} candidates)", _THREADS, smem, static_smem,
+                                limits.current(self.dev.index), fix="verify fewer rows or draft fewer depths")
+            if smem + static_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # the opt-in above 48 KiB
+                fn.max_dynamic_shared_size_bytes = smem
+            _CHECKED[(name, smem)] = smem + static_smem
+        limits.record_launch("tree", name, _CHECKED[(name, smem)])
         out = self.out
         # the list kernels wait for the previous kernel at entry (pdl_wait): a dependent launch, whose launch overlaps
         # the top-K select's tail
@@ -235,6 +284,7 @@ class TreeBuilder:
         max_budget = _check_budget(max_budget)
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be in [1, {MAX_DEPTH}], got {depth}")
+        check_tree_fits(max_budget, depth, limits.current(torch.device(device).index))
         self.max_batch, self.max_budget, self.depth, self.vocab = int(max_batch), max_budget, int(depth), int(vocab)
         self.device = torch.device(device)
         kmax = min(max(max_budget, 1), vocab)

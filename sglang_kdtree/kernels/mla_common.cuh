@@ -7,8 +7,14 @@
 
 #define D_QK 576      // absorbed query / key width: kv_lora_rank 512 + qk_rope 64
 #define D_V 512       // value width = the latent part of the key row
+// The CTA shape; the mma kernel's compact variant (sm_120's 99 KiB of shared memory per block) compiles with
+// -DROW_TILE=48 -DTHREADS=192: two warps per 16-row group, as in the default shape.
+#ifndef ROW_TILE
 #define ROW_TILE 64   // query (node, head) rows per CTA
+#endif
+#ifndef THREADS
 #define THREADS 256   // two warpgroups / eight warps
+#endif
 #define LN2 0.69314718055994530942f
 #define NEG_INF __int_as_float(0xff800000u)  // -inf without math.h (NVRTC has no default libc headers)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_kdtree.gpu import runtime
+from sglang_kdtree.gpu import limits, runtime
 from sglang_kdtree.gpu.runtime import device_ptr as _ptr
 from sglang_kdtree.gpu.runtime import require_cuda as _require_cuda
 from sglang_kdtree.moe.routing import BLOCK_SIZES_M, MAX_EXPERTS, MoEAlignment, align_capacity
@@ -16,7 +16,7 @@ __all__ = ["moe_align_block_size", "silu_and_mul", "moe_topk_sum"]
 
 _ALIGN_THREADS = 1024
 _ELEMENTWISE_THREADS = 256
-_MAX_BLOCKS = 4 * 132  # enough blocks to fill an H200's 132 SMs; the grid-stride loops cover the rest
+_BLOCKS_PER_SM = 16  # at most four waves of four blocks per SM; the grid-stride loops cover the rest
 
 
 def _require_16b(name, t):
@@ -39,8 +39,8 @@ def _bf16_out(out, rows: int, cols: int, like):
     return out
 
 
-def _grid(work_items: int, threads: int) -> int:
-    return max(1, min(_MAX_BLOCKS * 4, -(-work_items // threads)))
+def _grid(work_items: int, threads: int, device) -> int:
+    return max(1, min(_BLOCKS_PER_SM * limits.current(device.index).sm_count, -(-work_items // threads)))
 
 
 def moe_align_block_size(topk_ids, num_experts: int, block_size: int, *, errors=None) -> MoEAlignment:
@@ -103,7 +103,7 @@ def silu_and_mul(gate_up, out=None):
         return out
     kernel = runtime.load_module("moe/silu_and_mul.cu").get_function("silu_and_mul_bf16")
     with runtime.current_stream():
-        kernel((_grid(rows * n // 8, _ELEMENTWISE_THREADS),), (_ELEMENTWISE_THREADS,),
+        kernel((_grid(rows * n // 8, _ELEMENTWISE_THREADS, out.device),), (_ELEMENTWISE_THREADS,),
                (_ptr(gate_up), _ptr(out), np.int64(rows), np.int32(n)))
     return out
 
@@ -129,7 +129,7 @@ def moe_topk_sum(routed, topk_ids, num_experts: int, routed_scaling_factor: floa
     name = "moe_topk_sum_bf16_i32" if ids.dtype == torch.int32 else "moe_topk_sum_bf16_i64"
     kernel = runtime.load_module("moe/moe_topk_sum.cu").get_function(name)
     with runtime.current_stream():
-        kernel((_grid(M * K // 8, _ELEMENTWISE_THREADS),), (_ELEMENTWISE_THREADS,),
+        kernel((_grid(M * K // 8, _ELEMENTWISE_THREADS, out.device),), (_ELEMENTWISE_THREADS,),
                (_ptr(routed), _ptr(ids), _ptr(out), np.int64(M), np.int32(top_k), np.int32(K),
                 np.int32(num_experts), np.float32(routed_scaling_factor)))
     return out

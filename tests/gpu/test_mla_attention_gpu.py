@@ -1,5 +1,5 @@
-"""GPU tests of both MLA tree-verify kernels (sglang_kdtree/kernels/mla_tree_verify_wgmma.cu on compute capability 9.0,
-and sglang_kdtree/kernels/mla_tree_verify.cu) against their float64 twin (relative Frobenius error <= 2e-2 on outputs;
+"""GPU tests of the MLA tree-verify kernels (sglang_kdtree/kernels/mla_tree_verify_wgmma.cu on compute capability 9.0,
+and sglang_kdtree/kernels/mla_tree_verify.cu in its two shapes, mma and mma_compact) against their float64 twin (relative Frobenius error <= 2e-2 on outputs;
 LSE absolute error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first. Every test runs once per
 kernel."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 TOL = 2e-2
 
 
-@pytest.fixture(params=["wgmma", "mma"], autouse=True)
+@pytest.fixture(params=["wgmma", "mma", "mma_compact"], autouse=True)
 def kernel(request, monkeypatch):
     """Each test once per kernel, through the environment switch the server reads (so the paged entry point and
     the launch counter are covered too)."""
@@ -25,8 +25,12 @@ def kernel(request, monkeypatch):
 
     if gpu_unavailable_reason() is not None:
         pytest.skip(gpu_unavailable_reason())
-    if request.param == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    from sglang_kdtree.gpu import limits, mla_attention
+
+    try:
+        mla_attention.choose_kernel(request.param, limits.current())
+    except ValueError as exc:
+        pytest.skip(f"{request.param} does not run here: {exc}")
     monkeypatch.setenv("SGLANG_KDTREE_MLA_KERNEL", request.param)
     return request.param
 
@@ -206,12 +210,20 @@ def test_launch_counter_counts_eager_calls_and_graph_replays():
 
 
 def test_kernels_agree_with_each_other(kernel):
-    """The other kernel on the same inputs, as an independent computation: both within 2e-2 of each other."""
+    """Another kernel that runs here on the same inputs, as an independent computation: within 2e-2 of each other."""
     case = synthetic_inputs(3, 65, 16, [2000, 64, 517], seed=21, q_std=2.0)
     out, lse = _run(case)
-    other = "mma" if kernel == "wgmma" else "wgmma"
-    if other == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+    from sglang_kdtree.gpu import limits, mla_attention
+
+    others = []
+    for name in mla_attention.KERNELS:
+        try:
+            others += [mla_attention.choose_kernel(name, limits.current())] if name != kernel else []
+        except ValueError:  # does not run on this GPU (or under its profile)
+            pass
+    if not others:
         pytest.skip("no second kernel on this GPU")
+    other = others[0]
     out2 = torch.full_like(out, float("nan"))
     lse2 = torch.full_like(lse, float("nan"))
     mla_tree_verify(case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"], case["tree_slots"],
