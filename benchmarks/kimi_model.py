@@ -90,6 +90,10 @@ class Network:
     gather_logits: bool = True
     act_bytes: int = 2  # bf16 activations and logits
 
+    def collective_us(self, nbytes: float, n_gpus: int, gather: bool = False) -> float:
+        """One all-reduce of ``nbytes`` (``gather``: an all-gather with result ``nbytes``), us; kimi_box overrides."""
+        return (allgather_us if gather else allreduce_us)(nbytes, n_gpus, self.gbps, self.latency_us)
+
 
 KIMI = ModelShape()
 
@@ -323,9 +327,8 @@ def verify_forward(times: dict, bs: int, width: int, ctx: int, cfg: RoundConfig,
                  + 2 * p["rms_hidden"] + p["rms_q"] + p["rms_kv"])
     other = (m.layers * per_layer + m.moe_layers * (p["router"] + p["shared"]) + m.dense_layers * p["dense_mlp"]
              + p["lm_head"])
-    reduce = (2 * m.layers + 1) * allreduce_us(T * m.hidden * net.act_bytes, m.tp, net.gbps, net.latency_us)
-    if net.gather_logits:
-        reduce += allgather_us(T * m.vocab * net.act_bytes, m.tp, net.gbps, net.latency_us)
+    reduce = (2 * m.layers + 1) * net.collective_us(T * m.hidden * net.act_bytes, m.tp)
+    reduce += net.collective_us(T * m.vocab * net.act_bytes, m.tp, gather=True) if net.gather_logits else 0.0
     return {"attention": attention, "moe": moe, "other": other, "allreduce": reduce,
             "total": attention + moe + other + reduce, "missing": acc.missing}
 
@@ -338,10 +341,9 @@ def draft_forward(times: dict, bs: int, ctx: int, cfg: RoundConfig, acc: _Acc | 
     p = {name: acc.get(key(name, T=T)) for name in DRAFT_PIECES}
     attention = acc.get(key("draft_attention", bs=bs, ctx=ctx))
     body = d.layers * (p["draft_qkv"] + p["draft_o"] + p["dense_mlp"] + 2 * p["rms_hidden"] + attention)
-    reduce = (2 * d.layers + 1) * allreduce_us(T * m.hidden * net.act_bytes, m.tp, net.gbps, net.latency_us)
+    reduce = (2 * d.layers + 1) * net.collective_us(T * m.hidden * net.act_bytes, m.tp)
     head = acc.get(key("lm_head", T=rows))
-    if net.gather_logits:
-        reduce += allgather_us(rows * m.vocab * net.act_bytes, m.tp, net.gbps, net.latency_us)
+    reduce += net.collective_us(rows * m.vocab * net.act_bytes, m.tp, gather=True) if net.gather_logits else 0.0
     return {"compute": body + head, "head": head, "allreduce": reduce, "total": body + head + reduce,
             "missing": acc.missing}
 

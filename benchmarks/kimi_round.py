@@ -4,6 +4,7 @@ fixed node budgets and at the verify width the server would choose (KDTREE-auto)
     python -m benchmarks.kimi_round [--batches 1 8 32 64] [--contexts 4096 16384] [--budgets 15 31 47 63]
         [--tau-curve B=TAU ... | --tau-curve-json FILE | --accept-kdtree TAU] [--tau-anchor-budget 64]
         [--accept-dflash TAU] [--deadline 240] [--json OUT] [--from-json IN] [--bookkeeping-us [BS=]TREE,ACCEPT ...]
+        [--box h200 | rtx-pro-6000 | rtx-pro-6000-pcie-ipc] [--price-rule excess | ratio]
     python -m sglang_kdtree bench --kimi-round [same options]
     python -m benchmarks.plot_kimi_round OUT.json OUT.png
 
@@ -30,6 +31,10 @@ rule. ASSUMPTION: the bookkeeping is measured at the largest budget and used for
 round). The report ends with a summary per (context, batch) and one check line per target: auto within 2 % of the
 best fixed budget in every cell, auto >= 1.15x DFLASH per request at batch 1 and >= 1.10x at batch 32, auto never
 below DFLASH (PASS / FAIL printed; the exit code does not depend on them).
+
+``--box`` (default ``h200``, the box the pieces are measured on): another box's round as an ESTIMATE, the H200
+pieces repriced at its bandwidth and bf16 rate by ``--price-rule`` and its collectives from published measurements
+(``kimi_box.py`` says how); the report and the JSON's ``estimate`` record say so and list every assumption.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import signal
 import sys
 from pathlib import Path
 
-from benchmarks import kimi_model  # tests reach the arithmetic as kimi_round.kimi_model
+from benchmarks import kimi_box, kimi_model  # tests reach the arithmetic as kimi_round.kimi_model
 from benchmarks.kimi_measure import DeadlineExceeded, _oneline, measure
 from benchmarks.kimi_model import (AUTO, DEFAULT_ANCHOR_BUDGET, DEFAULT_BUDGETS, PAPER_ACCEPT_DFLASH,
                                    PAPER_CURVE_SOURCE, PAPER_SWEEP, PAPER_SWEEP_DFLASH, VERIFY_PIECES, DrafterShape,
@@ -157,6 +162,11 @@ def format_summary(summary: list[dict], cfg: RoundConfig) -> str:
 def assumptions_text(cfg: RoundConfig, moe_path: str | None) -> list[str]:
     m, d, n = cfg.model, cfg.drafter, cfg.net
     taus = ", ".join(f"tau({b}) = {cfg.curve.tau(b):.2f}" for b in cfg.budgets)
+    collectives = kimi_box.collectives_text(n, m, d) if isinstance(n, kimi_box.TableNetwork) else (
+        f"collectives (MODEL): ring all-reduce 2(n-1)/n x bytes / {n.gbps:g} GB/s + {n.latency_us:g} us per call, "
+        f"{2 * m.layers + 1} per target forward and {2 * d.layers + 1} per draft forward of T x {m.hidden} bf16; "
+        + (f"logits all-gather (n-1)/n x T x {m.vocab} x 2 B / bw + latency" if n.gather_logits
+           else "no logits all-gather (--no-logits-gather)"))
     out = [
         f"target: Kimi K2.6 per GPU at TP {m.tp}: {m.layers} layers ({m.dense_layers} dense, {m.moe_layers} MoE), "
         f"hidden {m.hidden}, MLA {m.heads_gpu} heads/GPU (q_lora {m.q_lora}, kv_lora {m.kv_lora}, qk {m.qk_nope}+"
@@ -167,10 +177,7 @@ def assumptions_text(cfg: RoundConfig, moe_path: str | None) -> list[str]:
         f"drafter (ASSUMED): {d.layers} dense layers at hidden {m.hidden}, {d.heads} q / {d.kv_heads} kv heads x "
         f"{d.head_dim}, intermediate {m.dense_inter}, block {d.block} attending the whole context; head = lm_head "
         f"slice over batch x {d.block - 1} rows (part of the draft)",
-        f"collectives (MODEL): ring all-reduce 2(n-1)/n x bytes / {n.gbps:g} GB/s + {n.latency_us:g} us per call, "
-        f"{2 * m.layers + 1} per target forward and {2 * d.layers + 1} per draft forward of T x {m.hidden} bf16; "
-        + (f"logits all-gather (n-1)/n x T x {m.vocab} x 2 B / bw + latency" if n.gather_logits
-           else "no logits all-gather (--no-logits-gather)"),
+        collectives,
         f"tokens/round: AR 1; DFLASH {cfg.accept_dflash:g}"
         + (" (DDTree paper: DFlash mean, Qwen3-Coder-30B-A3B, T=0, 10 datasets)"
            if cfg.accept_dflash == PAPER_ACCEPT_DFLASH else "")
@@ -308,6 +315,13 @@ def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentPa
                    help="seconds the Marlin seed/load/repack may take before the bf16 fallback is timed instead")
     p.add_argument("--allow-marlin-compile", action="store_true",
                    help="let an uncached Marlin JIT compile run (~6 min; over the default deadline)")
+    p.add_argument("--box", default=kimi_box.REFERENCE, choices=list(kimi_box.BOXES),
+                   help="the box to report: h200 as measured, or an ESTIMATE for another box from the H200 pieces "
+                        "repriced at its bandwidth and bf16 rate and its published collective times "
+                        "(benchmarks/kimi_box.py)")
+    p.add_argument("--price-rule", default=kimi_box.DEFAULT_RULE, choices=list(kimi_box.RULES),
+                   help="how a piece's H200 time becomes another box's, R the piece's roofline: " + "; ".join(
+                       f"{r}: {f}" for r, f in kimi_box.RULES.items()))
     p.add_argument("--json", default=None, help="write the measurement, the rows, the summary and the checks here")
     p.add_argument("--from-json", default=None,
                    help="re-assemble a saved --json measurement (no GPU needed; its batches, contexts and budgets "
@@ -351,6 +365,14 @@ def main(argv=None, prog: str = "python -m benchmarks.kimi_round") -> int:
         p.error(f"--budgets: {bad[0]} is outside [1, {MAX_BUDGET}] (a node budget; the verify width is budget + 1)")
     if args.nvlink_gbps <= 0 or args.allreduce_latency_us < 0 or args.deadline <= 0:
         p.error("--nvlink-gbps and --deadline must be > 0, --allreduce-latency-us >= 0")
+    given = _given(parser(prog), argv)
+    if args.box == kimi_box.REFERENCE and "price_rule" in given:
+        p.error(f"--price-rule prices the {kimi_box.REFERENCE} pieces for another box: add --box, e.g. "
+                "--box rtx-pro-6000")
+    net_options = {"nvlink_gbps", "allreduce_latency_us"} & given
+    if isinstance(kimi_box.BOXES[args.box].net, kimi_box.TableNetwork) and net_options:
+        p.error(f"--box {args.box} prices its collectives from measured NCCL / IPC times; drop "
+                + " and ".join("--" + o.replace("_", "-") for o in sorted(net_options)))
     try:
         overrides = parse_bookkeeping(args.bookkeeping_us)
         curve, accept_dflash = curve_of(args)
@@ -417,8 +439,22 @@ def _finish(args, cfg, measured, overrides, batches, contexts) -> int:
                 print(f"kimi_round: could not write {args.json}: {exc}", file=sys.stderr)
 
     save()
+    report_measured, est = measured, None
+    if args.box != kimi_box.REFERENCE:  # the H200 measurement stays in "measured"; the priced pieces in "estimate"
+        try:
+            report_measured, cfg, est = kimi_box.estimate(measured, cfg, args.box, args.price_rule)
+        except ValueError as exc:
+            print(f"kimi_round: {exc}", file=sys.stderr)
+            return 2
+        est["kv"] = kimi_box.kv_fit(batches, contexts, cfg.model, kimi_box.BOXES[args.box])
+        payload.update(config=dataclasses.asdict(cfg), estimate=est)
     try:
-        result = report(measured, cfg, batches, contexts)
+        if est is not None:
+            print(f"# {est['label']}: {est['box_label']}")
+        result = report(report_measured, cfg, batches, contexts)
+        if est is not None:
+            est["published"] = kimi_box.published_block(result["rows"])
+            print(kimi_box.format_estimate(est))
     except Exception as exc:
         import traceback
 
