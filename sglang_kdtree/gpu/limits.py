@@ -96,13 +96,12 @@ def from_device(index: int) -> DeviceLimits:
     """The running device's limits, read from the driver once per process."""
     import cupy
 
-    attrs = cupy.cuda.Device(index).attributes
-    major, minor = attrs["ComputeCapabilityMajor"], attrs["ComputeCapabilityMinor"]
-    name = cupy.cuda.runtime.getDeviceProperties(index)["name"].decode(errors="replace")
-    return DeviceLimits((major, minor), attrs["MaxSharedMemoryPerBlockOptin"],
-                        attrs["MaxSharedMemoryPerMultiprocessor"], attrs["MultiProcessorCount"],
-                        attrs["MaxThreadsPerMultiProcessor"], attrs["MaxRegistersPerMultiprocessor"],
-                        (major, minor) == (9, 0), f"device {index} ({name})")
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    major, minor = props["major"], props["minor"]
+    return DeviceLimits((major, minor), props["sharedMemPerBlockOptin"], props["sharedMemPerMultiprocessor"],
+                        props["multiProcessorCount"], props["maxThreadsPerMultiProcessor"],
+                        props["regsPerMultiprocessor"], (major, minor) == (9, 0),
+                        f"device {index} ({props['name'].decode(errors='replace')})")
 
 
 def profile_name() -> str | None:
