@@ -13,7 +13,7 @@ counts), a replayed CUDA graph of the call with the split-K factor an eager call
 way SGLang's verify graph captures it (the split planned for a nominal context). The server runs the kernel only
 inside that captured graph, so the roofline percentage is the graph's; the eager one is printed beside it.
 
-``--sm120``: the grid of the kernel an sm_120 card runs (``mma_compact``, 96,512 B of shared memory per block) at
+``--sm120``: the grid of the kernel an sm_120 card runs (``mma_compact``, 99,584 B of shared memory per block) at
 Kimi K2.6's TP 8 shapes (8 heads; batch 1 / 8 / 32, widths 16 / 32 / 64, contexts 4k / 16k) against SGLang's Triton
 verify, the mma and the wgmma kernels, every one timed as a replayed CUDA graph (the server's way) in the same run.
 

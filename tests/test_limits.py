@@ -69,10 +69,10 @@ def test_records_and_summary():
     limits.reset_records()
     limits.record_launch("tree", "build_trees_list1", 5_000)
     limits.record_launch("tree", "build_trees_list1", 4_000)   # a smaller launch of the same variant keeps the max
-    limits.record_launch("mla_verify", "mma_compact", 96_512)
-    assert limits.launch_records() == {"tree": ("build_trees_list1", 5_000), "mla_verify": ("mma_compact", 96_512)}
+    limits.record_launch("mla_verify", "mma_compact", 99_584)
+    assert limits.launch_records() == {"tree": ("build_trees_list1", 5_000), "mla_verify": ("mma_compact", 99_584)}
     line = limits.summary(limits.for_arch("12.0"))
-    assert "mla_verify=mma_compact, tree=build_trees_list1" in line and "largest shared memory asked: 96,512 B" in line
+    assert "mla_verify=mma_compact, tree=build_trees_list1" in line and "largest shared memory asked: 99,584 B" in line
     limits.reset_records()
 
 

@@ -62,12 +62,13 @@ def test_kernel_choice_follows_the_limits_and_the_switch(monkeypatch):
 
 
 def test_kernel_shapes_shared_memory():
-    """The shared memory each shape asks for, computed by hand from the .cu's layout: Q tile + two key stages + P tile
-    (bf16, row pitches 584 and key_tile + 8) + four float rows; the compact shape fits sm_120's 101,376 B."""
+    """The shared memory each shape asks for, computed by hand from its .cu's layout. mma: Q tile + two 32-key stages +
+    P tile (bf16, row pitches 584 and 40) + four float rows; mma_compact: Q tile + two 16-key stages + 32 B of partial
+    scores per thread, within sm_120's 101,376 B."""
     from sglang_kdtree.gpu import mla_attention as mla
 
     assert mla.SHAPES["mma"].smem_bytes == 2 * (64 * 584 + 64 * 584 + 64 * 40) + 1024 == 155_648
-    assert mla.SHAPES["mma_compact"].smem_bytes == 2 * (48 * 584 + 32 * 584 + 48 * 24) + 768 == 96_512
+    assert mla.SHAPES["mma_compact"].smem_bytes == 2 * (48 * 584 + 32 * 584) + 192 * 32 == 99_584
     assert mla.SHAPES["mma_compact"].smem_bytes <= 101_376 < mla.SHAPES["mma"].smem_bytes
     assert mla.SHAPES["wgmma"].smem_bytes == 230_912
 

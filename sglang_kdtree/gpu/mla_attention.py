@@ -8,8 +8,9 @@ Kernels (``kernel=`` / ``$SGLANG_KDTREE_MLA_KERNEL``: ``auto``, ``wgmma``, ``mma
   default where wgmma runs (compute capability 9.0);
 * ``mma`` (``sglang_kdtree/kernels/mla_tree_verify.cu``): mma.sync m16n8k16, 64 rows x 32-key stages, 155,648 B of shared
   memory per block; the default on other GPUs that allow it (sm_100);
-* ``mma_compact``: the same source at 48 rows x 16-key stages, 96,512 B; the default where ``mma`` does not fit
-  (sm_120: 101,376 B per block). All share the split-K merge kernel; each has its launch counter.
+* ``mma_compact`` (``sglang_kdtree/kernels/mla_tree_verify_compact.cu``): mma.sync, 48 rows x 16-key stages, the
+  pair of warps of a row group splitting the score depth, 99,584 B; the default where ``mma`` does not fit (sm_120:
+  101,376 B per block). All share the split-K merge kernel; each has its launch counter.
 
 ``auto`` decides from ``sglang_kdtree.gpu.limits.current()``, so ``KDTREE_DEVICE_PROFILE=sm_120`` runs ``mma_compact`` on
 an H200 too; every launch is checked against those limits first (``limits.check_launch``).
@@ -69,35 +70,36 @@ QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM
 _KEY_UNIT = 32  # the split-K cost model counts key work in 32-key units, whatever the kernel's stage
 _LDS = QK_HEAD_DIM + 8  # the mma kernel's shared-memory row pitch (LDS in mla_tree_verify.cu)
 MMA_SOURCE = "mla_tree_verify.cu"
+MERGE_SOURCE = "mla_tree_verify_merge.cu"  # the split-K merge every kernel's partial states go through
 WGMMA_SOURCE = "mla_tree_verify_wgmma.cu"
 WGMMA_ARCH = runtime.ARCH_SPECIFIC[WGMMA_SOURCE]
 
 
 @dataclass(frozen=True)
 class KernelShape:
-    """A tree-verify kernel's CTA: query rows, keys per pipeline stage, threads, dynamic shared memory, and the
-    NVRTC options that select it (``ROW_TILE`` / ``THREADS`` / ``KEY_TILE`` of the ``.cu`` files)."""
+    """A tree-verify kernel: its source and entry-point prefix (``<entry>i64`` / ``<entry>i32``), query rows per
+    CTA, keys per pipeline stage, threads and dynamic shared memory (``ROW_TILE`` / ``KEY_TILE`` / ``THREADS`` and
+    the layout of its ``.cu`` file)."""
 
     source: str
+    entry: str
     row_tile: int
     key_tile: int
     threads: int
     smem_bytes: int
-    options: tuple[str, ...] = ()
 
 
-def _mma_smem(row_tile: int, key_tile: int) -> int:
-    # Q tile + double-buffered key tile + P tile (bf16, padded pitches), then two float rows of maxima and sums
-    return 2 * (row_tile * _LDS + 2 * key_tile * _LDS + row_tile * (key_tile + 8)) + 4 * 4 * row_tile
-
-
-#: every kernel's shape. wgmma: Q, two key tiles and P as 64 x 576 / 64 x 64 bf16 tiles, two rows of float row
-#: factors, and 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB.
+#: every kernel's shape and shared memory. wgmma: Q, two key tiles and P as 64 x 576 / 64 x 64 bf16 tiles, two rows of
+#: float row factors, 1 KiB of slack to align the tiles to the 128-byte swizzle's 1 KiB. mma: Q tile, two key stages
+#: and the P tile (bf16, padded pitches), four float rows of maxima and sums. mma_compact: Q tile, two key stages, and
+#: 32 bytes of partial scores per thread.
 SHAPES = {
-    "wgmma": KernelShape(WGMMA_SOURCE, 64, 64, 256, 3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * 64 + 1024),
-    "mma": KernelShape(MMA_SOURCE, 64, 32, 256, _mma_smem(64, 32)),
-    "mma_compact": KernelShape(MMA_SOURCE, 48, 16, 192, _mma_smem(48, 16),
-                               ("-DROW_TILE=48", "-DTHREADS=192", "-DKEY_TILE=16")),
+    "wgmma": KernelShape(WGMMA_SOURCE, "mla_tree_verify_wgmma_", 64, 64, 256,
+                         3 * 64 * QK_HEAD_DIM * 2 + 64 * 64 * 2 + 2 * 4 * 64 + 1024),
+    "mma": KernelShape(MMA_SOURCE, "mla_tree_verify_", 64, 32, 256,
+                       2 * (64 * _LDS + 2 * 32 * _LDS + 64 * (32 + 8)) + 4 * 4 * 64),
+    "mma_compact": KernelShape("mla_tree_verify_compact.cu", "mla_tree_verify_compact_", 48, 16, 192,
+                               2 * (48 * _LDS + 2 * 16 * _LDS) + 192 * 32),
 }
 KERNEL_ENV = "SGLANG_KDTREE_MLA_KERNEL"
 KERNELS = tuple(SHAPES)
@@ -112,12 +114,11 @@ def _kernels(kernel: str, device_index: int):
     for), compiled once per process and checked against the device's limits (``limits.LaunchDoesNotFit`` names what
     does not fit)."""
     shape = SHAPES[kernel]
-    if kernel == "wgmma":
-        module = runtime.load_module_arch(WGMMA_SOURCE, WGMMA_ARCH)
-        fns = {name: module.get_function(f"mla_tree_verify_wgmma_{name}") for name in ("i64", "i32")}
+    if shape.source in runtime.ARCH_SPECIFIC:
+        module = runtime.load_module_arch(shape.source, runtime.ARCH_SPECIFIC[shape.source])
     else:
-        module = runtime.load_module(MMA_SOURCE, shape.options)
-        fns = {name: module.get_function(f"mla_tree_verify_{name}") for name in ("i64", "i32")}
+        module = runtime.load_module(shape.source)
+    fns = {name: module.get_function(shape.entry + name) for name in ("i64", "i32")}
     lim = limits.current(device_index)
     for name, fn in fns.items():
         limits.check_launch(f"mla_tree_verify ({kernel}, {name})", shape.threads, shape.smem_bytes,
@@ -125,7 +126,7 @@ def _kernels(kernel: str, device_index: int):
                             fix=f"unset {KERNEL_ENV} (auto picks a kernel that fits)")
         fn.max_dynamic_shared_size_bytes = shape.smem_bytes  # above 48 KiB: the per-kernel opt-in
     fns["asked"] = shape.smem_bytes + max(fn.shared_size_bytes for fn in fns.values())
-    fns["merge"] = (module if kernel != "wgmma" else runtime.load_module(MMA_SOURCE)).get_function("mla_tree_verify_merge")
+    fns["merge"] = runtime.load_module(MERGE_SOURCE).get_function("mla_tree_verify_merge")
     return fns
 
 

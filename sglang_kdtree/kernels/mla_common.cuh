@@ -1,14 +1,14 @@
-// Shared by the two MLA tree-verify kernels (mla_tree_verify.cu: mma.sync, any GPU; mla_tree_verify_wgmma.cu:
-// Hopper wgmma): the problem's widths, the CTA shape, the cp.async helpers and the kernel entry points (one
-// signature, and the launch counter the serving path reads). mla_tree_verify.cu's header states the problem.
+// Shared by the MLA tree-verify kernels (mla_tree_verify.cu: mma.sync; mla_tree_verify_compact.cu: mma.sync within
+// sm_120's shared memory; mla_tree_verify_wgmma.cu: Hopper wgmma): the problem's widths, the CTA shape, the cp.async
+// helpers and the kernel entry points (one signature, and the launch counter the serving path reads).
+// mla_tree_verify.cu's header states the problem.
 #pragma once
 
 #include "common.cuh"
 
 #define D_QK 576      // absorbed query / key width: kv_lora_rank 512 + qk_rope 64
 #define D_V 512       // value width = the latent part of the key row
-// The CTA shape; the mma kernel's compact variant (sm_120's 99 KiB of shared memory per block) compiles with
-// -DROW_TILE=48 -DTHREADS=192: two warps per 16-row group, as in the default shape.
+// The CTA shape; mla_tree_verify_compact.cu defines its own (48 rows, 192 threads) before including this file.
 #ifndef ROW_TILE
 #define ROW_TILE 64   // query (node, head) rows per CTA
 #endif

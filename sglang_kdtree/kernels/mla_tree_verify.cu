@@ -11,62 +11,22 @@
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate). Split-K over the keys (grid.y) keeps the GPU full when
 // bs * row-tiles is small; a merge kernel then combines the partial softmax states.
 //
-// Warp layout (ROW_GROUPS = ROW_TILE / 16 groups of two warps): warp w owns query rows 16*(w % ROW_GROUPS)..+15
-// and, with half = w / ROW_GROUPS,
-//   * for S = Q.K^T the key half KEY_TILE/2 * half..+KEY_TILE/2-1 of the key tile (the pair covers the tile);
-//   * for O += P.V the value columns 256*half..+255 (a 16 x 512 fp32 accumulator would need 256
+// Warp layout (8 warps, 256 threads): warp w owns query rows 16*(w&3)..+15 and
+//   * for S = Q.K^T the key half 16*(w>>2)..+15 of the 32-key tile (so the pair w, w^4 covers 32 keys);
+//   * for O += P.V the value columns 256*(w>>2)..+255 (a 16 x 512 fp32 accumulator would need 256
 //     registers per thread; half of it fits next to everything else).
 // The pair exchanges its row maxima and its P tile through shared memory, synchronised by a named
-// barrier of 64 threads, so the other pairs are not stalled.
-//
-// Two shapes, one source:
-//   * default: 64 rows, 32-key stages, 8 warps: 155,648 B of shared memory (Hopper / Blackwell datacenter);
-//   * compact (-DROW_TILE=48 -DTHREADS=192 -DKEY_TILE=16): 48 rows, 16-key stages, 6 warps: 96,512 B, which fits
-//     sm_120's 101,376 B per block. The Q tile is what costs: 1,168 B per row, so 48 rows plus two 16-key stages
-//     is the largest double-buffered shape under 99 KiB with whole 16-row mma groups.
+// barrier of 64 threads, so the other pairs are not stalled. 155,648 B of shared memory per block: more than
+// sm_120 allows (101,376 B); mla_tree_verify_compact.cu is the kernel for such GPUs.
 //
 // No system includes: NVRTC's default include path has no cuda_bf16.h / stdint.h everywhere; bf16 travels as
 // its 16-bit pattern (common.cuh: bf16_t, pack_bf16x2) and all tensor-core work is inline PTX.
 
-#include "mla_common.cuh"
+#include "mma_sync.cuh"
 
-#ifndef KEY_TILE
 #define KEY_TILE 32       // keys per pipeline stage
-#endif
-#define ROW_GROUPS (ROW_TILE / 16)
-#define WARP_KEYS (KEY_TILE / 2)  // keys of a stage whose scores one warp of a pair computes (8 or 16)
-static_assert(THREADS == 64 * ROW_GROUPS, "two warps per 16-row group");
-static_assert(KEY_TILE == 16 || KEY_TILE == 32, "a warp's score tile is one or two 8-key mma n-tiles");
 #define LDS (D_QK + 8)    // smem row pitch in bf16: 1168 B = 73 x 16 B (odd), so ldmatrix rows hit distinct banks
-#define PLDS (KEY_TILE + 8)  // P tile pitch: 80 or 48 B = 5 or 3 x 16 B (odd), conflict-free ldmatrix as well
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-// Transposed variant: V is stored key-major, the mma B operand wants it column-major.
-__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                         unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Barrier for the two warps (64 threads) that share a row group; ids 1..4 (0 is __syncthreads).
-__device__ __forceinline__ void pair_barrier(int row_group) {
-    asm volatile("bar.sync %0, 64;\n" ::"r"(row_group + 1));
-}
+#define PLDS (KEY_TILE + 8)  // P tile pitch: 80 B = 5 x 16 B (odd), conflict-free ldmatrix as well
 
 // kv_start[b] .. kv_end[b]: request b's prefix entries in kv_indices. CSR form: kv_start = kv_indptr,
 // kv_end = kv_indptr + 1. Page-table form: kv_start[b] = req_pool_indices[b] * table_stride and
@@ -96,7 +56,7 @@ __device__ __forceinline__ void mla_tree_verify_body(
     float* red_sum = red_max + 2 * ROW_TILE;           // [2][ROW_TILE]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int rgroup = warp % ROW_GROUPS, half = warp / ROW_GROUPS;
+    const int rgroup = warp & 3, half = warp >> 2;
     const int b = blockIdx.z, split = blockIdx.y;
     const int rows_per_req = N * H;
     const int row0 = blockIdx.x * ROW_TILE;
@@ -121,17 +81,15 @@ __device__ __forceinline__ void mla_tree_verify_body(
     }
 
     auto load_keys = [&](int buf, int t0) {
-        // THREADS / KEY_TILE (8 or 12) threads per key row, each copying 9 or 6 of its 72 16-byte chunks; one slot
-        // lookup per thread.
-        constexpr int per_row = THREADS / KEY_TILE;
-        int r = tid / per_row;
+        // 8 threads per key row: each copies 9 of its 72 16-byte chunks; one slot lookup per thread.
+        int r = tid >> 3;
         int t = t0 + r;
         bool valid = t < k_hi;
         long long slot = 0;
         if (valid) slot = t < prefix ? (long long)kv_indices[kv_begin + t] : tree_slots[(long long)b * N + (t - prefix)];
         const bf16_t* src = kv + slot * kv_stride;
         bf16_t* dst = k_s + (buf * KEY_TILE + r) * LDS;
-        for (int ch = tid % per_row; ch < D_QK / 8; ch += per_row) cp_async16(smem_u32(dst + ch * 8), src + ch * 8, valid);
+        for (int ch = tid & 7; ch < D_QK / 8; ch += 8) cp_async16(smem_u32(dst + ch * 8), src + ch * 8, valid);
     };
 
     float o[32][4];
@@ -153,15 +111,9 @@ __device__ __forceinline__ void mla_tree_verify_body(
 
     // ldmatrix lane addresses (bytes). A (Q rows, row-major): lanes 0-15 rows 0-15 at k, 16-31 at k+8.
     const unsigned q_addr = smem_u32(q_s + (16 * rgroup + (lane & 15)) * LDS + (lane >> 4) * 8);
-    // B for S (K rows = mma columns), one x4 load: two n-tiles of 8 keys x k16 (WARP_KEYS 16), or one n-tile of
-    // 8 keys x two k16 steps (WARP_KEYS 8).
-#if WARP_KEYS == 16
+    // B for S (K rows = mma columns): two n-tiles of 8 keys x k16 per x4 load.
     const int kb_row = 16 * half + (lane & 7) + ((lane >> 4) << 3);
     const int kb_col = ((lane >> 3) & 1) * 8;
-#else
-    const int kb_row = 8 * half + (lane & 7);
-    const int kb_col = (lane >> 3) * 8;
-#endif
     // B for O (V, transposed load): keys along k, value columns along n.
     const int vb_row = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int vb_col = 256 * half + (lane >> 4) * 8;
@@ -175,13 +127,9 @@ __device__ __forceinline__ void mla_tree_verify_body(
         cp_async_commit();
         const bf16_t* kb = k_s + (blk & 1) * KEY_TILE * LDS;
 
-        // ---- S = Q K^T: 16 rows x WARP_KEYS keys per warp, depth 576 = 36 k-steps ----
-        constexpr int NT = WARP_KEYS / 8;  // 8-key n-tiles per warp
-        float s[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        // ---- S = Q K^T: 16 rows x 16 keys per warp, depth 576 = 36 k-steps ----
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         const unsigned k_addr = smem_u32(kb + kb_row * LDS + kb_col);
-#if WARP_KEYS == 16
 #pragma unroll 12
         for (int kk = 0; kk < D_QK / 16; ++kk) {
             unsigned a0, a1, a2, a3, b0, b1, b2, b3;
@@ -190,26 +138,15 @@ __device__ __forceinline__ void mla_tree_verify_body(
             mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
             mma_bf16(s[1], a0, a1, a2, a3, b2, b3);
         }
-#else
-#pragma unroll 6
-        for (int kk = 0; kk < D_QK / 16; kk += 2) {
-            unsigned a0, a1, a2, a3, c0, c1, c2, c3, b0, b1, b2, b3;
-            ldsm_x4(q_addr + kk * 32, a0, a1, a2, a3);
-            ldsm_x4(q_addr + kk * 32 + 32, c0, c1, c2, c3);
-            ldsm_x4(k_addr + kk * 32, b0, b1, b2, b3);
-            mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
-            mma_bf16(s[0], c0, c1, c2, c3, b2, b3);
-        }
-#endif
 
         // ---- mask (prefix always visible; tree key j visible iff ancestor-or-self) and scale ----
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int hh = e >> 1;
-                const int t = t0 + WARP_KEYS * half + 8 * n + 2 * quad + (e & 1);
+                const int t = t0 + 16 * half + 8 * n + 2 * quad + (e & 1);
                 bool vis = t < k_hi;
                 if (vis && t >= prefix) {
                     const int j = t - prefix;
@@ -240,11 +177,11 @@ __device__ __forceinline__ void mla_tree_verify_body(
             m_run[hh] = m_new;
             float sum = 0.f;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+            for (int n = 0; n < 2; ++n) {
                 const float p0 = exp2f(s[n][2 * hh] - ref);
                 const float p1 = exp2f(s[n][2 * hh + 1] - ref);
                 sum += p0 + p1;
-                *(unsigned*)(p_s + lrow[hh] * PLDS + WARP_KEYS * half + 8 * n + 2 * quad) = pack_bf16x2(p0, p1);
+                *(unsigned*)(p_s + lrow[hh] * PLDS + 16 * half + 8 * n + 2 * quad) = pack_bf16x2(p0, p1);
             }
             l_run[hh] = l_run[hh] * alpha[hh] + sum;
         }
@@ -257,10 +194,10 @@ __device__ __forceinline__ void mla_tree_verify_body(
         }
         pair_barrier(rgroup);  // the partner's half of P is in shared memory
 
-        // ---- O += P V: 16 rows x 256 value columns per warp, KEY_TILE keys = KEY_TILE / 16 k-steps ----
+        // ---- O += P V: 16 rows x 256 value columns per warp, 32 keys = 2 k-steps ----
         const unsigned v_addr = smem_u32(kb + vb_row * LDS + vb_col);
 #pragma unroll
-        for (int ks = 0; ks < KEY_TILE / 16; ++ks) {
+        for (int ks = 0; ks < 2; ++ks) {
             unsigned a0, a1, a2, a3;
             ldsm_x4(p_addr + ks * 32, a0, a1, a2, a3);
 #pragma unroll
@@ -312,35 +249,3 @@ __device__ __forceinline__ void mla_tree_verify_body(
 
 MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i64, long long, mla_tree_verify_body)
 MLA_TREE_VERIFY_ENTRY(mla_tree_verify_i32, int, mla_tree_verify_body)
-
-// Combine split-K partial softmax states: O = sum_s 2^(m_s - m) O_s / sum_s 2^(m_s - m) l_s.
-// One CTA of 128 threads per query row, 4 value columns per thread.
-extern "C" __global__ void __launch_bounds__(128) mla_tree_verify_merge(const float* __restrict__ part_o,
-                                                                         const float2* __restrict__ part_ml,
-                                                                         int num_splits, long long total_rows,
-                                                                         bf16_t* __restrict__ out,
-                                                                         float* __restrict__ lse) {
-    const long long row = blockIdx.x;
-    const int col = threadIdx.x * 4;
-    float m = NEG_INF;
-    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[(long long)s * total_rows + row].x);
-    const float ref = m == NEG_INF ? 0.f : m;
-    float l = 0.f, acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-        const float2 ml = part_ml[(long long)s * total_rows + row];
-        if (ml.y == 0.f) continue;  // empty split: its partial output was never meaningful
-        const float w = exp2f(ml.x - ref);
-        l += ml.y * w;
-        const float4 v = *(const float4*)(part_o + ((long long)s * total_rows + row) * D_V + col);
-        acc0 += v.x * w;
-        acc1 += v.y * w;
-        acc2 += v.z * w;
-        acc3 += v.w * w;
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    uint2 packed;
-    packed.x = pack_bf16x2(acc0 * inv, acc1 * inv);
-    packed.y = pack_bf16x2(acc2 * inv, acc3 * inv);
-    *(uint2*)(out + row * D_V + col) = packed;
-    if (threadIdx.x == 0) lse[row] = l > 0.f ? (ref + log2f(l)) * LN2 : NEG_INF;
-}

@@ -53,6 +53,7 @@ REPO = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(REPO)]  # cuda_compare imports testbed
 import make_tiny_models as tiny  # noqa: E402
 from cuda_compare import first_mismatch, host_syncs, logprob_pair  # noqa: E402,F401  (cs.first_mismatch etc.)
+from server_limits import launch_limits, profile_holds  # noqa: E402
 
 STARTUP_TIMEOUT_S = float(os.environ.get("KDTREE_CUDA_STARTUP_TIMEOUT", "420"))
 NUM_PROMPTS = 40
@@ -366,6 +367,7 @@ def compare(variants_: list[Variant], modes: list[bool], log_dir: Path, batch=No
             last_by_kernel = next((r["mla_launches_by_kernel"] for r in reversed(records)
                                    if "mla_launches_by_kernel" in r), {})
             rec["mla_kernels"] = sorted(k for k, n in last_by_kernel.items() if n > 0)
+            rec["launch_limits"] = launch_limits(log)
             rec["marlin_routed"] = max((r.get("marlin_routed", 0) for r in records), default=0)
             rec["tree_graph_replays"] = max((r.get("tree_graph_replays", 0) for r in records), default=0)
             rec["commit_graph_replays"] = max((r.get("commit_graph_replays", 0) for r in records), default=0)
@@ -468,8 +470,16 @@ def main(argv=None) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "table.txt").write_text(format_table(summary) + "\n")
     print(format_table(summary))
+    for name, rec in summary["servers"].items():
+        if rec.get("launch_limits"):
+            print(f"{name}: MLA {rec.get('mla_kernels')}; {rec['launch_limits']['line']}")
     ok = all(p["identical"] for p in summary["pairs"].values()) and all(
         p["error"] is None and p["ids_identical"] for p in summary["logprob_pairs"].values())
+    profile = os.environ.get("KDTREE_DEVICE_PROFILE")
+    if profile:
+        problems = profile_holds(summary, profile)
+        print(f"{profile} profile: " + ("every KDTREE server within it" if not problems else "; ".join(problems)))
+        ok = ok and not problems
     return 0 if ok else 1
 
 

@@ -1,5 +1,5 @@
 """GPU tests of the MLA tree-verify kernels (sglang_kdtree/kernels/mla_tree_verify_wgmma.cu on compute capability 9.0,
-and sglang_kdtree/kernels/mla_tree_verify.cu in its two shapes, mma and mma_compact) against their float64 twin (relative Frobenius error <= 2e-2 on outputs;
+sglang_kdtree/kernels/mla_tree_verify.cu and sglang_kdtree/kernels/mla_tree_verify_compact.cu) against their float64 twin (relative Frobenius error <= 2e-2 on outputs;
 LSE absolute error <= 2e-2), on fresh random bf16 inputs; outputs are poisoned (NaN) first. Every test runs once per
 kernel."""
 
