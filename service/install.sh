@@ -17,7 +17,8 @@
 # Running it again with the same inputs changes nothing. Nothing is changed when the preflight fails.
 #
 # Overrides for tests and unusual hosts: SYSTEMCTL (systemctl command), GPU_COUNT_CMD (prints the GPU count,
-# instead of nvidia-smi), CURL; the Python checked and run is KDTREE_PYTHON from the env file.
+# instead of nvidia-smi), GPU_COMPUTE_CAP_CMD (prints the GPUs' compute capabilities, instead of nvidia-smi), CURL;
+# the Python checked and run is KDTREE_PYTHON from the env file.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -62,10 +63,11 @@ for src in "${sources[@]}"; do
     [[ -f $src ]] || kdtree_die "missing source file '$src'"
 done
 
-# launch.sh --print checks the env file (paths, TP against visible GPUs, budget, backend, extra flags: the code
-# the unit runs at every start) and then, with the service's Python, kdtree_service_checks (Python and SGLang
-# versions, the plugin resolves, the server's own flag checks). One implementation, so `launch.sh --print` run by
-# hand refuses what this preflight refuses. Its check lines come first, the command line last.
+# launch.sh --print checks the env file (paths, TP against visible GPUs, budget, backend against the GPUs' compute
+# capability, extra flags: the code the unit runs at every start) and then, with the service's Python,
+# kdtree_service_checks (Python and SGLang versions, the plugin resolves, the server's own flag checks). One
+# implementation, so `launch.sh --print` run by hand refuses what this preflight refuses. Its check lines come
+# first, the command line last.
 command_line=""
 if launch_output=$(KDTREE_ENV_FILE="" "$here/launch.sh" --env-file "$env_src" --print 2>&1); then
     command_line=${launch_output##*$'\n'}

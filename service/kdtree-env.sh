@@ -112,6 +112,22 @@ kdtree_visible_gpus() {
     printf '%s\n' "$physical"
 }
 
+# kdtree_compute_caps: print the distinct compute capabilities of the GPUs ("12.0", "9.0"), one per line, or
+# nothing when they cannot be read here (then the caller does not judge the backend by them).
+# GPU_COMPUTE_CAP_CMD (a shell command printing one capability per line) replaces nvidia-smi's query.
+kdtree_compute_caps() {
+    local out
+    if [[ -n ${GPU_COMPUTE_CAP_CMD:-} ]]; then
+        out=$(timeout 60 bash -c "$GPU_COMPUTE_CAP_CMD") ||
+            kdtree_die "GPU_COMPUTE_CAP_CMD '$GPU_COMPUTE_CAP_CMD' failed"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        out=$(timeout 60 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null) || return 0
+    else
+        return 0
+    fi
+    sed -nE 's/^[[:space:]]*([0-9]+\.[0-9]+).*/\1/p' <<<"$out" | sort -u
+}
+
 # kdtree_health_base_url: the URL a local client uses to reach KDTREE_HOST:KDTREE_PORT. A wildcard bind
 # address is reached through loopback.
 kdtree_health_base_url() {

@@ -47,7 +47,7 @@ require KDTREE_MODEL_PATH "the target model directory"
 require KDTREE_DRAFT_MODEL_PATH "the DFlash drafter directory"
 require KDTREE_TP_SIZE "tensor-parallel size, e.g. 8"
 require KDTREE_BUDGET "DDTree node budget, 1..1024"
-require KDTREE_ATTENTION_BACKEND "fa3, triton or flashinfer"
+require KDTREE_ATTENTION_BACKEND "triton, fa3 (Hopper) or flashinfer (MHA models)"
 require KDTREE_HOST "bind address, e.g. 0.0.0.0"
 require KDTREE_PORT "HTTP port, e.g. 30000"
 
@@ -85,15 +85,29 @@ if [[ -n $block_size ]]; then
 fi
 
 backend=$KDTREE_ATTENTION_BACKEND
+is_mla=0
+grep -Eq '"kv_lora_rank"[[:space:]]*:[[:space:]]*[0-9]' "$KDTREE_MODEL_PATH/config.json" && is_mla=1
 case $backend in
-    fa3 | triton) ;;
+    triton) ;;
+    fa3)
+        # SGLang's fa3 backend asserts (major == 8 and not MLA) or major == 9 only once the weights are loaded
+        # (srt/layers/attention/attention_registry.py): judged here from the GPUs' compute capability.
+        caps=$(kdtree_compute_caps)
+        for cap in $caps; do
+            major=${cap%%.*}
+            ((major == 9 || (major == 8 && !is_mla))) && continue
+            why="(SGLang's fa3 backend runs on compute capability 9.x, and on 8.x for MHA targets)"
+            ((is_mla)) && why="with an MLA target ('$KDTREE_MODEL_PATH' has kv_lora_rank; SGLang's fa3 backend serves MLA on compute capability 9.x only)"
+            kdtree_die "KDTREE_ATTENTION_BACKEND=fa3 (--attention-backend fa3) is not supported on compute capability $cap $why; use KDTREE_ATTENTION_BACKEND=triton"
+        done
+        ;;
     flashinfer)
         # FlashInfer's MLA path plans causal attention and ignores the tree mask, so only MHA models may use it.
-        if grep -Eq '"kv_lora_rank"[[:space:]]*:[[:space:]]*[0-9]' "$KDTREE_MODEL_PATH/config.json"; then
-            kdtree_die "KDTREE_ATTENTION_BACKEND=flashinfer does not apply the tree mask for MLA models like '$KDTREE_MODEL_PATH'; use fa3 (Hopper) or triton"
+        if ((is_mla)); then
+            kdtree_die "KDTREE_ATTENTION_BACKEND=flashinfer does not apply the tree mask for MLA models like '$KDTREE_MODEL_PATH'; use triton (or fa3 on Hopper)"
         fi
         ;;
-    *) kdtree_die "KDTREE_ATTENTION_BACKEND '$backend' cannot verify a tree; use fa3, triton (MLA or MHA) or flashinfer (MHA only)" ;;
+    *) kdtree_die "KDTREE_ATTENTION_BACKEND '$backend' cannot verify a tree; use triton (MLA or MHA), fa3 (Hopper) or flashinfer (MHA only)" ;;
 esac
 
 kdtree_is_uint "$KDTREE_PORT" 65535 || kdtree_die "KDTREE_PORT '$KDTREE_PORT' must be an integer in 1..65535"

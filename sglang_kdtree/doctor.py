@@ -23,7 +23,8 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
    supports;
 8. optional ``--launch-command "python -m sglang.launch_server ..."``: the server's arguments pass SGLang's own
    argument parser and KDTREE's startup checks (``doctor_launch.py``; what the server would refuse before it
-   loads anything).
+   loads anything), judged for this GPU, or without one for ``--arch`` (``spec.device_limits``: the same GPU
+   checks 6 and 8 use).
 
 The warnings SGLang and its libraries print while they import are kept out of the report (``--verbose`` lists
 them after it); an error SGLang logs still shows.
@@ -44,10 +45,12 @@ from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa
 from sglang_kdtree.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
                                           check_sglang_version, quiet_imports, sglang_pin)
 from sglang_kdtree.doctor_launch import check_launch_command
+from sglang_kdtree.gpu.limits import ARCHS, for_arch
 
 #: NVRTC options of ``sglang_kdtree.gpu.runtime.load_module`` (the include path is added per call).
 NVRTC_OPTIONS = ("--std=c++17", "-fmad=false")
-DEFAULT_ARCH = "90"  # H200 / H100 (Hopper)
+#: the compute capability doctor judges for without a GPU: the RTX PRO 6000 Blackwell Server Edition box
+DEFAULT_ARCH = "12.0"
 
 
 class _Capture(logging.Handler):
@@ -355,6 +358,29 @@ def check_kernels(report: Report, gpu_reason: str | None, arch: str) -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _arch(text: str) -> str:
+    """``--arch``: a compute capability the launch limits know (``12.0``, ``sm_120``, ``90``), as given."""
+    try:
+        for_arch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def judged_limits(report: Report, arch: str):
+    """The GPU checks 6 and 8 judge for (``spec.device_limits``: this GPU, or ``arch`` without one), reported in
+    one line; None when it cannot be told (the reason is reported)."""
+    from sglang_kdtree.spec import device_limits
+
+    try:
+        limits = device_limits(arch)
+    except ValueError as exc:
+        report.fail(f"GPU limits: {exc}", "unset KDTREE_DEVICE_PROFILE, or pass a known --arch")
+        return None
+    report.ok(f"GPU judged for (kernel compile, launch command): {limits.describe()}")
+    return limits
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, metavar="PATH",
                    help="also check this target checkpoint (path exists, architecture supported) (default: none)")
@@ -367,8 +393,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-gpu", action="store_true",
                    help="fail, instead of warning, when no GPU is visible (use on the serving machine) "
                         "(default: off)")
-    p.add_argument("--arch", default=DEFAULT_ARCH, metavar="SM",
-                   help="compute capability for the kernel compile check when there is no GPU (default: %(default)s)")
+    p.add_argument("--arch", default=DEFAULT_ARCH, type=_arch, metavar="MAJOR.MINOR",
+                   help="compute capability the kernel compile and the launch command are checked for when there is "
+                        "no GPU (with a GPU: the GPU's own, or KDTREE_DEVICE_PROFILE's); one of "
+                        f"{', '.join(f'{a}.{b}' for a, b in ARCHS)} (default: %(default)s)")
     p.add_argument("--launch-command", default=None, metavar="CMD",
                    help="also check a server command line (quoted; the whole 'python -m sglang.launch_server ...' "
                         "or only its arguments) against SGLang's parser and KDTREE's startup checks "
@@ -407,14 +435,16 @@ def _run_checks(report: Report, args: argparse.Namespace) -> None:
     loader_errors = check_plugin(report)
     if loader_errors is not None:
         check_patch_targets(report, loader_errors, gpu_reason)
-    check_kernels(report, gpu_reason, args.arch)
+    limits = judged_limits(report, args.arch)
+    if limits is not None:
+        check_kernels(report, gpu_reason, f"{limits.arch[0]}{limits.arch[1]}")
     target_layers = None
     if args.model_path is not None:
         target_layers = check_target(report, args.model_path, args.trust_remote_code) or None
     if args.speculative_draft_model_path is not None:
         check_drafter(report, args.speculative_draft_model_path, args.speculative_dflash_block_size, target_layers)
-    if args.launch_command is not None:
-        check_launch_command(report, args.launch_command)
+    if args.launch_command is not None and limits is not None:
+        check_launch_command(report, args.launch_command, limits)
 
 
 def _finish(report: Report) -> int:

@@ -11,13 +11,18 @@ import argparse
 import contextlib
 import io
 import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_kdtree.gpu.limits import DeviceLimits
 
 
-def launch_args_problem(argv: list[str]) -> str | None:
+def launch_args_problem(argv: list[str], limits: "DeviceLimits | None" = None) -> str | None:
     """Why ``python -m sglang.launch_server`` with these arguments would stop at startup, or None.
 
     SGLang's argument parser first (an unknown flag, a bad value), then, for ``--speculative-algorithm kdtree``,
-    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution)."""
+    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution). ``limits``:
+    the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
     from sglang.srt.server_args import ServerArgs
 
     from sglang_kdtree import spec, state
@@ -34,7 +39,7 @@ def launch_args_problem(argv: list[str]) -> str | None:
     if not state.is_kdtree(getattr(namespace, "speculative_algorithm", None)):
         return None
     try:
-        spec.validate_server_args(namespace)
+        spec.validate_server_args(namespace, limits)
     except ValueError as exc:
         from sglang_kdtree.plugin import refusal_block
 
@@ -52,10 +57,11 @@ def server_argv(command_line: str) -> list[str]:
     return argv
 
 
-def check_launch_command(report, command_line: str) -> bool:
-    problem = launch_args_problem(server_argv(command_line))
+def check_launch_command(report, command_line: str, limits: "DeviceLimits | None" = None) -> bool:
+    problem = launch_args_problem(server_argv(command_line), limits)
     if problem is None:
-        report.ok("launch command: passes SGLang's argument parser and KDTREE's startup checks")
+        where = f" (for {limits.arch_name})" if limits is not None else ""
+        report.ok(f"launch command: passes SGLang's argument parser and KDTREE's startup checks{where}")
         return True
     report.fail(f"launch command would not start: {problem}", "change the command line as the message says")
     return False

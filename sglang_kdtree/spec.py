@@ -12,7 +12,8 @@ SGLang 0.5.23 resolves ``--speculative-algorithm kdtree`` to the ``KDTreeSpec`` 
 * **Attention backend** for the target's tree verify must honour a tree mask: ``fa3`` or ``triton`` (MHA and
   MLA) or ``flashinfer`` (MHA only: on an MLA model it becomes ``flashinfer_mla``) on CUDA; ``torch_native`` / ``intel_amx`` on CPU. ``flashmla``, ``trtllm_mla``,
   ``flashinfer_mla``, ``cutedsl_mla`` and ``trtllm_mha`` plan causal attention and would silently verify a
-  chain: refused.
+  chain: refused. ``fa3`` where SGLang's fa3 backend would assert after the weight load (an MLA target off
+  compute capability 9.x, an MHA target off 8.x / 9.x): refused, judged for the GPU of ``device_limits()``.
 * ``--page-size 1`` only (the tree's KV rows are compacted slot by slot).
 * Overlap scheduling: see ``SUPPORTS_OVERLAP``.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
@@ -31,6 +33,9 @@ from sglang_kdtree.state import (DEFAULT_BUDGET, DEFAULT_VERIFY_WIDTH, MAX_BLOCK
                                  MIN_BLOCK_SIZE)
 from sglang_kdtree.width_choice import POLICIES, POLICY_ENV
 from sglang_kdtree.widths import WIDTHS_ENV, parse_widths
+
+if TYPE_CHECKING:
+    from sglang_kdtree.gpu.limits import DeviceLimits
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +114,76 @@ def _is_mla_model(server_args) -> bool | None:
         return None
 
 
+def device_limits(arch_without_gpu=None) -> "DeviceLimits | None":
+    """The GPU a launch is judged for, decided here only: with a GPU, ``gpu.limits.current()`` (the device, or the
+    test-only ``KDTREE_DEVICE_PROFILE`` profile, so an H200 under ``sm_120`` is judged as an sm_120 card);
+    without one, ``gpu.limits.for_arch(arch_without_gpu)`` (``doctor --arch``), else None: the checks that depend
+    on the GPU are skipped (CPU servers, tests). ValueError for a profile wider than the GPU or an unknown arch."""
+    from sglang_kdtree.gpu import limits
+    from sglang_kdtree.gpu.runtime import gpu_available
+
+    if gpu_available():
+        return limits.current()
+    return None if arch_without_gpu is None else limits.for_arch(arch_without_gpu)
+
+
+def _fa3_problems(sa, limits: "DeviceLimits"):
+    """``fa3`` where SGLang 0.5.23 refuses it: ``create_flashattention_v3_backend``
+    (``srt/layers/attention/attention_registry.py``) asserts ``(major == 8 and not use_mla_backend) or major == 9``
+    when the model runner builds its backends, after the whole weight load; refused here, before it."""
+    major, minor = limits.arch
+    if major == 9:
+        return
+    flags = [flag for flag, value in (("--attention-backend", sa.attention_backend),
+                                      ("--decode-attention-backend", sa.decode_attention_backend),
+                                      ("--prefill-attention-backend", sa.prefill_attention_backend))
+             if value == "fa3"]
+    if not flags:
+        return
+    mla = _is_mla_model(sa)
+    if mla is None or (major == 8 and not mla):
+        return  # an unreadable config (a remote id, doctor away from the checkpoint) is judged by SGLang at load
+    where = f"compute capability {major}.{minor}" + (" with an MLA target" if mla else "")
+    rule = ("SGLang's fa3 backend serves MLA on compute capability 9.x only" if mla else
+            "SGLang's fa3 backend runs on compute capability 9.x, and on 8.x for MHA targets")
+    for flag in flags:
+        yield (f"KDTREE: {flag} fa3 is not supported on {where} ({limits.source}; {rule}, and "
+               f"asserts so only after loading the weights); use {flag} triton")
+
+
+def _draft_depths(sa) -> int | None:
+    """``L = block_size - 1`` from ``--speculative-dflash-block-size`` or the drafter's config.json; None when neither
+    can be read here (the worker reads it again, and its tree builder checks the same limit at startup)."""
+    block = sa.speculative_dflash_block_size
+    if block is None and sa.speculative_draft_model_path:
+        try:
+            from sglang_kdtree.worker import _read_draft_block_size
+
+            block = _read_draft_block_size(sa)
+        except Exception:  # a remote id or a drafter the worker will report on
+            return None
+    return None if block is None or not MIN_BLOCK_SIZE <= int(block) <= MAX_BLOCK_SIZE else int(block) - 1
+
+
+def _tree_problems(sa, budget: int, limits: "DeviceLimits"):
+    """A budget whose tree launches cannot fit the GPU's shared memory at the drafter's depths: refused here, before
+    the weight load (``gpu.tree.check_tree_fits``, with the tree kernels' static shared memory from an NVRTC build
+    for the GPU's architecture: no CUDA context in the launching process)."""
+    depth = _draft_depths(sa)
+    if depth is None or depth < 1:
+        return
+    from sglang_kdtree.gpu import cubin, tree
+    from sglang_kdtree.gpu.limits import LaunchDoesNotFit
+
+    try:
+        resources = cubin.resources_of("best_first_tree.cu", limits.arch_name)
+        tree.check_tree_fits(budget, depth, limits, lambda name: resources[name].static_smem)
+    except LaunchDoesNotFit as exc:
+        yield f"KDTREE: verify width {budget + 1} (budget {budget}) at {depth} draft depths: {exc}"
+    except RuntimeError as exc:  # NVRTC missing or failing here: the worker's tree builder checks at startup
+        logger.warning("KDTREE: the tree budget's fit was not checked before loading (%s)", exc)
+
+
 #: set when the plugin itself wrote ``SGLANG_KDTREE_VERIFY_WIDTHS`` (so a later resolution in the same process may
 #: replace it; a user's own value is only ever checked against the flag)
 _WRITTEN_ENV = "SGLANG_KDTREE_VERIFY_WIDTHS_RESOLVED"
@@ -156,10 +231,11 @@ def resolve_widths(flag_value) -> int:
     return width
 
 
-def launch_problems(server_args, resolved: dict):
+def launch_problems(server_args, resolved: dict, limits: "DeviceLimits | None" = None):
     """Every setting of ``server_args`` DDTree cannot honour, one message each (naming the flag, the value and the
     fix), in the order a reader fixes them; ``resolved["width"]`` gets the largest verify width when the widths
-    resolve (``resolve_widths``)."""
+    resolve (``resolve_widths``). ``limits``: the GPU the launch is judged for (``device_limits``); None skips
+    the checks that depend on it."""
     sa = server_args
     try:
         resolved["width"] = resolve_widths(sa.speculative_num_draft_tokens)
@@ -212,6 +288,10 @@ def launch_problems(server_args, resolved: dict):
             "which plans causal attention for target verify and ignores the tree mask; use --attention-backend "
             "fa3 (Hopper) or triton"
         )
+    if limits is not None and device == "cuda":
+        yield from _fa3_problems(sa, limits)
+        if "width" in resolved:
+            yield from _tree_problems(sa, resolved["width"] - 1, limits)
     if sa.page_size is not None and int(sa.page_size) != 1:
         yield (
             f"KDTREE: --page-size {sa.page_size} is not supported (tree KV rows are compacted slot by slot); "
@@ -251,9 +331,11 @@ def launch_problems(server_args, resolved: dict):
 
 
 
-def validate_server_args(server_args) -> None:
+def validate_server_args(server_args, limits: "DeviceLimits | None" = None) -> None:
     """Refuse settings DDTree cannot honour (runs during SGLang's argument resolution, before any model load): one
     ``ValueError`` listing every problem of the launch (``launch_problems``), one ``KDTREE: ...`` line each.
+    ``limits``: the GPU the launch is judged for (``doctor --arch`` passes ``device_limits(arch)``); None: this
+    machine's, ``device_limits()`` (none on a CPU machine or a CPU server).
 
     Writes the verify width when unset and the EAGLE-style fields SGLang's tree-verify machinery reads:
     ``speculative_num_steps = 1`` and ``speculative_eagle_topk = 2`` (a value > 1 switches fa3 / triton into
@@ -261,7 +343,13 @@ def validate_server_args(server_args) -> None:
     other than those is refused: it would have no effect.
     """
     resolved: dict = {}
-    problems = list(launch_problems(server_args, resolved))
+    problems = []
+    if limits is None and _device_type(server_args.device) == "cuda":
+        try:
+            limits = device_limits()
+        except ValueError as exc:  # e.g. KDTREE_DEVICE_PROFILE wider than this GPU: the message names the fix
+            problems.append(f"KDTREE: {exc}")
+    problems += launch_problems(server_args, resolved, limits)
     if problems:
         raise ValueError("\n".join(problems))
     server_args.speculative_num_draft_tokens = resolved["width"]

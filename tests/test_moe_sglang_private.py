@@ -160,7 +160,9 @@ def _fake_spec(name):
 def test_seed_prebuilt_copies_a_verified_module_and_compiles_the_rest(tmp_path, monkeypatch):
     """``seed_prebuilt`` against SGLang's real cache helpers, with ``ninja.build`` as a recorder: a module whose
     recorded ``kernels`` source hashes like the installed one is copied (and its depfile written); one recorded
-    from a different source, or absent from ``source``, goes to the real build."""
+    from a different source, or absent from ``source``, goes to the real build. (The export's JIT target matches
+    here; another target: test_moe_prebuilt_arch.py.)"""
+    from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
     from sglang.kernels.jit.utils.compile import cache, ninja
 
     from sglang_kdtree.moe import jit
@@ -174,6 +176,7 @@ def test_seed_prebuilt_copies_a_verified_module_and_compiles_the_rest(tmp_path, 
     for name, recorded in (("good", digest), ("stale", "0" * 64)):
         (source / f"{name}.so").write_bytes(b"ELF")
         (source / f"{name}.deps.json").write_text(json.dumps([["kernels", relpath, recorded], ["sys", "x.h", "y"]]))
+    (source / jit.MANIFEST).write_text(json.dumps({"modules": {n: {"target": "sm120f"} for n in ("good", "stale")}}))
     compiled = []
 
     def real_build(*, spec, build_dir, build_file):
@@ -188,7 +191,8 @@ def test_seed_prebuilt_copies_a_verified_module_and_compiles_the_rest(tmp_path, 
             builds[name] = ninja.build(spec=_fake_spec(name), build_dir=tmp_path / f"build-{name}", build_file="")
         return build
 
-    seeded = jit.seed_prebuilt(source, builders=[builder("good"), builder("stale"), builder("absent")])
+    with override_jit_cuda_arch(12, 0, "f"):
+        seeded = jit.seed_prebuilt(source, builders=[builder("good"), builder("stale"), builder("absent")])
     assert seeded == ["good"] and compiled == ["stale", "absent"]
     assert (tmp_path / "build-good" / "good.so").read_bytes() == b"ELF"
     assert (tmp_path / "build-good" / "prebuilt.o.d").read_text() == f"prebuilt.o: {real_source}\n"

@@ -140,7 +140,7 @@ def test_launch_reads_the_example_env_file(tmp_path):
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "65"
-    assert argv[argv.index("--attention-backend") + 1] == "fa3"
+    assert argv[argv.index("--attention-backend") + 1] == "triton"
     assert "--speculative-dflash-block-size" not in argv  # empty: the drafter's own block size
     assert argv[-5:] == ["--trust-remote-code", "--host", "0.0.0.0", "--port", "30000"]
     assert "--disable-overlap-schedule" not in argv  # SGLang's overlap scheduler, its default

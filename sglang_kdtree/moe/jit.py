@@ -12,6 +12,10 @@ SGLang internals used here (each pinned by ``tests/test_moe_sglang_private.py``)
 ``_file_digest`` (to verify a prebuilt module's sources), its layout (``<target>/<module>/build-*/deps-*/``
 with ``sgl_deps.json``) and ``ninja.build``, which ``seed_prebuilt`` swaps for a verified copy while
 SGLang's own ``load_jit`` runs.
+
+An export records each module's JIT target (``MANIFEST``: SGLang's ``<target>`` cache segment, e.g. ``sm90a`` for
+compute capability 9.0); ``seed_prebuilt`` plants a module only where SGLang's JIT target is that same one, so
+sm_90a code never lands on an sm_120 card (nor an export that does not say what it was built for).
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MARLIN_SPECIALIZATION", "jit_cache_dir", "marlin_kernels_cached", "ensure_marlin_kernels",
-           "marlin_module_builders", "export_prebuilt", "seed_prebuilt"]
+__all__ = ["MARLIN_SPECIALIZATION", "MANIFEST", "jit_cache_dir", "marlin_kernels_cached", "ensure_marlin_kernels",
+           "marlin_module_builders", "export_modules", "export_prebuilt", "jit_target", "seed_prebuilt"]
 
 #: the single Marlin specialization this path uses: (is_ep, has_bias, expert_ids_are_sorted,
 #: zero_inactive_output, has_inactive_prefix_count). moe_align.cu emits only live blocks, so the
@@ -35,6 +40,9 @@ MARLIN_SPECIALIZATION = (False, False, False, False, False)
 #: the dependency roots a prebuilt module must match file by file (system / toolkit headers: same CUDA major is
 #: the caller's promise)
 _VERIFIED_ROOTS = ("kernels", "tvm_ffi")
+#: the file of an export that names each module's JIT target: ``{"modules": {"<module>": {"target": "sm90a"}}}``
+MANIFEST = "prebuilt.json"
+_TARGET = re.compile(r"sm(\d+)(\d)([a-z]?)")  # SGLang's cache segment: sm + major + minor + suffix
 
 
 def jit_cache_dir():
@@ -84,21 +92,61 @@ def marlin_module_builders(dtype_name: str = "bfloat16"):
     return (_jit_gptq_marlin_repack_module, lambda: _jit_moe_wna16_marlin_module(dtype, *MARLIN_SPECIALIZATION))
 
 
-def export_prebuilt(dest) -> list:
-    """Copy the built Marlin modules out of SGLang's JIT cache into ``dest`` (``<module>.so`` plus
-    ``<module>.deps.json``, SGLang's recorded dependency list), so another machine with the same sglang,
-    apache-tvm-ffi, CUDA major and GPU arch can seed its cache with ``seed_prebuilt`` instead of compiling.
-    Returns the module names exported (the newest build of each)."""
+def _describe(target: str | None) -> str:
+    """``sm120f (compute capability 12.0)``; ``an unknown architecture`` for None."""
+    if target is None:
+        return "an unknown architecture"
+    match = _TARGET.fullmatch(target)
+    return f"{target} (compute capability {match[1]}.{match[2]})" if match else target
+
+
+def jit_target() -> str:
+    """The target SGLang's JIT builds for here, as its cache names it (``cache._target_tag``): the local GPU's
+    (``sm90a``, ``sm120f``), or the ``override_jit_cuda_arch`` in force."""
+    from sglang.kernels.jit.utils.arch import get_jit_cuda_arch
+
+    arch = get_jit_cuda_arch()
+    return f"sm{arch.major}{arch.minor}{arch.suffix}"
+
+
+def export_modules(builds, dest) -> list:
+    """Copy cached module builds (``<cache>/<target>/<module>/build-*/deps-*/<module>.so``) into ``dest`` as
+    ``<module>.so`` plus ``<module>.deps.json`` (SGLang's recorded dependency list), and record each module's
+    ``<target>`` in ``dest/MANIFEST`` (kept for modules exported there before). Returns the module names."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    manifest_path = dest / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    modules = manifest.setdefault("modules", {})
     exported = []
-    for pattern in ("*gptq_marlin_repack", "*moe_wna16_marlin_*"):
-        builds = sorted(jit_cache_dir().glob(f"*/{pattern}/build-*/deps-*/*.so"), key=lambda p: p.stat().st_mtime)
-        for so in builds[-1:]:
-            shutil.copy2(so, dest / so.name)
-            shutil.copy2(so.parent / "sgl_deps.json", dest / f"{so.stem}.deps.json")
-            exported.append(so.stem)
+    for so in builds:
+        so = Path(so)
+        shutil.copy2(so, dest / so.name)
+        shutil.copy2(so.parent / "sgl_deps.json", dest / f"{so.stem}.deps.json")
+        modules[so.stem] = {"target": so.parents[3].name}
+        exported.append(so.stem)
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return exported
+
+
+def export_prebuilt(dest) -> list:
+    """Copy the built Marlin modules out of SGLang's JIT cache into ``dest`` (``export_modules``: the newest build
+    of each, with its JIT target recorded), so another machine with the same sglang, apache-tvm-ffi, CUDA major
+    and GPU arch can seed its cache with ``seed_prebuilt`` instead of compiling. Returns the module names."""
+    builds = []
+    for pattern in ("*gptq_marlin_repack", "*moe_wna16_marlin_*"):
+        found = sorted(jit_cache_dir().glob(f"*/{pattern}/build-*/deps-*/*.so"), key=lambda p: p.stat().st_mtime)
+        builds += found[-1:]
+    return export_modules(builds, dest)
+
+
+def _recorded_target(source: Path, module_name: str) -> str | None:
+    """The JIT target ``source``'s manifest records for ``module_name``, or None."""
+    try:
+        entry = json.loads((source / MANIFEST).read_text())["modules"][module_name]
+        return str(entry["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _verified_sources(module_name: str, deps: Path) -> list | None:
@@ -119,14 +167,28 @@ def _verified_sources(module_name: str, deps: Path) -> list | None:
     return paths
 
 
+def _built_here(source: Path, module_name: str) -> bool:
+    """Whether ``source`` records ``module_name`` as built for this JIT target; else one warning naming both."""
+    recorded, here = _recorded_target(source, module_name), jit_target()
+    if recorded == here:
+        return True
+    why = "" if recorded is not None else f" ({source / MANIFEST} does not name it: re-export it)"
+    logger.warning("sglang-kdtree: prebuilt %s in %s was built for %s%s, and SGLang's JIT builds for %s here; "
+                   "compiling it instead", module_name, source, _describe(recorded), why, _describe(here))
+    return False
+
+
 def _prebuilt_build(source: Path, real_build, seeded: list):
     """A stand-in for SGLang's ``ninja.build``: copies ``source``'s verified prebuilt module into the build
-    directory (recording its sources where SGLang reads the compiler's depfiles), else runs ``real_build``."""
+    directory (recording its sources where SGLang reads the compiler's depfiles), else runs ``real_build``.
+    Verified: built for this JIT target (``_built_here``) from sources that hash like this installation's."""
 
     def build(*, spec, build_dir, build_file):
         so = source / f"{spec.module_name}.so"
         deps = source / f"{spec.module_name}.deps.json"
-        paths = _verified_sources(spec.module_name, deps) if so.is_file() and deps.is_file() else None
+        paths = None
+        if so.is_file() and deps.is_file() and _built_here(source, spec.module_name):
+            paths = _verified_sources(spec.module_name, deps)
         if paths is None:
             return real_build(spec=spec, build_dir=build_dir, build_file=build_file)
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +206,10 @@ def seed_prebuilt(source, dtype_name: str = "bfloat16", *, builders=None) -> lis
     """Seed SGLang's JIT cache with Marlin modules exported by ``export_prebuilt`` on another machine.
 
     Runs SGLang's own ``load_jit`` (same cache key, lock and publication) with only its compile step
-    replaced: for a module found in ``source`` whose recorded SGLang kernel sources and tvm-ffi headers hash
-    exactly like this installation's, the prebuilt ``.so`` is copied in place of running nvcc, then loaded
+    replaced: for a module found in ``source`` that ``source``'s manifest records as built for SGLang's JIT
+    target here (``jit_target``; another target, or none recorded, gets one warning naming both) and whose
+    recorded SGLang kernel sources and tvm-ffi headers hash exactly like this installation's, the prebuilt
+    ``.so`` is copied in place of running nvcc, then loaded
     (a library that does not load here raises inside ``load_jit``) and published. Anything that does not
     match falls through to a normal compile. ``builders``: the zero-argument SGLang module getters to run
     (default ``marlin_module_builders(dtype_name)``). Returns the modules seeded from ``source``.

@@ -24,7 +24,8 @@ and on the GPU machine, before starting servers (same sglang / apache-tvm-ffi so
     python tests/e2e/prebuild_jit.py --seed .jitcache/sm90a
 
 Seeding runs SGLang's own ``load_jit`` through ``sglang_kdtree.moe.jit.seed_prebuilt`` (which replaces only
-the nvcc step with a verified copy); modules that do not match are compiled normally.
+the nvcc step with a verified copy); modules that do not match (another JIT target than the export records,
+or other sources) are compiled normally.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import argparse
 import contextlib
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -78,19 +78,16 @@ def builders(which: set[str], dtype_name: str = "bfloat16") -> list[tuple[str, o
 
 def export(dest: Path) -> list[str]:
     """Copy every built module (newest build of each module name) out of SGLang's JIT cache into ``dest`` as
-    ``<module>.so`` + ``<module>.deps.json`` (the layout ``moe.jit.seed_prebuilt`` reads)."""
-    from sglang_kdtree.moe.jit import jit_cache_dir
+    ``<module>.so`` + ``<module>.deps.json``, each one's JIT target recorded in ``moe.jit.MANIFEST`` (the layout
+    ``moe.jit.seed_prebuilt`` reads: ``moe.jit.export_modules``)."""
+    from sglang_kdtree.moe.jit import export_modules, jit_cache_dir
 
-    dest.mkdir(parents=True, exist_ok=True)
     newest: dict[str, Path] = {}
     for so in jit_cache_dir().glob("*/*/build-*/deps-*/*.so"):
         name = so.stem
         if name not in newest or so.stat().st_mtime > newest[name].stat().st_mtime:
             newest[name] = so
-    for name, so in sorted(newest.items()):
-        shutil.copy2(so, dest / so.name)
-        shutil.copy2(so.parent / "sgl_deps.json", dest / f"{name}.deps.json")
-    return sorted(newest)
+    return sorted(export_modules([so for _, so in sorted(newest.items())], dest))
 
 
 def seed(source: Path, which: set[str]) -> list[str]:
