@@ -16,7 +16,9 @@ Checks, in order (each prints one ``ok`` / ``WARN`` / ``FAIL`` line, a failure f
    reference and the tests, not a CUDA server);
 6. a kernel compile: every ``sglang_kdtree/kernels/*.cu`` through NVRTC, loaded on the GPU where there is one (a kernel
    built for an architecture-specific target, ``runtime.ARCH_SPECIFIC``, only on that GPU), else a front-end compile for
-   ``--arch`` (or that kernel's own target);
+   ``--arch`` (or that kernel's own target); then the launch configurations (``doctor_limits.py``): the variant each
+   step runs on the GPU judged (the device's limits, ``KDTREE_DEVICE_PROFILE``'s, or ``--arch``'s) and every launch
+   configuration for Kimi K2.6's shapes held to those limits (registers, shared memory, launch bounds);
 7. optional ``--model-path`` / ``--speculative-draft-model-path``: the paths exist, the target's architecture
    is one SGLang's DFlash drafter can serve under DDTree (its hidden states can be captured, attention is
    MHA or MLA, no linear-attention / Mamba layers), and the drafter's block size is in the range DDTree
@@ -45,6 +47,7 @@ from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa
 from sglang_kdtree.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
                                           check_sglang_version, quiet_imports, sglang_pin)
 from sglang_kdtree.doctor_launch import check_launch_command
+from sglang_kdtree.doctor_limits import check_launch_configurations
 from sglang_kdtree.gpu.limits import ARCHS, for_arch
 
 #: NVRTC options of ``sglang_kdtree.gpu.runtime.load_module`` (the include path is added per call).
@@ -438,6 +441,7 @@ def _run_checks(report: Report, args: argparse.Namespace) -> None:
     limits = judged_limits(report, args.arch)
     if limits is not None:
         check_kernels(report, gpu_reason, f"{limits.arch[0]}{limits.arch[1]}")
+        check_launch_configurations(report, limits)
     target_layers = None
     if args.model_path is not None:
         target_layers = check_target(report, args.model_path, args.trust_remote_code) or None

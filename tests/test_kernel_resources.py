@@ -80,3 +80,20 @@ def test_the_sm120_plan_takes_the_sm120_variants():
 def test_an_oversized_configuration_fails(oversized):
     _, problems = launch_plan.check("12.0", [oversized])
     assert len(problems) == 1 and oversized.function in problems[0], problems
+
+
+def test_doctor_reports_the_variants_and_the_fit_for_its_arch():
+    import io
+
+    from sglang_kdtree.doctor_install import Report
+    from sglang_kdtree.doctor_limits import check_launch_configurations
+
+    report = Report(out=io.StringIO())
+    assert check_launch_configurations(report, limits.for_arch("12.0"))
+    text = report.out.getvalue()
+    assert "MLA verify on sm_120: mma_compact (48 rows x 16-key stages, 99,584 B)" in text
+    assert "largest budget 1024 at 15 draft depths, 539 at 31" in text
+    assert "fit sm_120" in text and "FAIL" not in text
+    report = Report(out=io.StringIO())
+    assert check_launch_configurations(report, limits.for_arch("9.0"))
+    assert "MLA verify on sm_90: wgmma" in report.out.getvalue()

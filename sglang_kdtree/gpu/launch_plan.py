@@ -128,12 +128,12 @@ def kimi_launches(lim: limits.DeviceLimits, static_smem=None) -> list[Launch]:
 
 
 def check(arch, launches: list[Launch] | None = None) -> tuple[list[tuple[Launch, object]], list[str]]:
-    """Compile every kernel of ``launches`` (default ``kimi_launches`` for ``arch``) for ``arch`` and check each
-    configuration against ``limits.for_arch(arch)``: returns ``(launch, KernelResources)`` pairs and one problem line
-    per launch that does not fit (empty when all fit)."""
+    """Compile every kernel of ``launches`` (default ``kimi_launches``) for ``arch`` (``"12.0"``, or a device's
+    ``DeviceLimits``) and check each configuration against its limits: returns ``(launch, KernelResources)`` pairs and
+    one problem line per launch that does not fit (empty when all fit)."""
     from sglang_kdtree.gpu import cubin
 
-    lim = limits.for_arch(arch)
+    lim = arch if isinstance(arch, limits.DeviceLimits) else limits.for_arch(arch)
     launches = kimi_launches(lim) if launches is None else launches
     checked, problems = [], []
     for launch in launches:
