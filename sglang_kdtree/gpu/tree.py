@@ -284,7 +284,8 @@ class TreeBuilder:
         max_budget = _check_budget(max_budget)
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be in [1, {MAX_DEPTH}], got {depth}")
-        check_tree_fits(max_budget, depth, limits.current(torch.device(device).index))
+        if torch.device(device).type == "cuda":  # the buffers also build on the CPU (tests); no launch happens there
+            check_tree_fits(max_budget, depth, limits.current(torch.device(device).index))
         self.max_batch, self.max_budget, self.depth, self.vocab = int(max_batch), max_budget, int(depth), int(vocab)
         self.device = torch.device(device)
         kmax = min(max(max_budget, 1), vocab)
