@@ -101,4 +101,5 @@ def prewarm_round(worker):
     runner.sampling_prewarm_result = result
     logger.info("KDTREE round pre-warm: bs=%d peak=%d B (buffers kept for serving), logprob headroom %d B",
                 bs, peak, logprob_bytes)
+    log_launch_limits(worker)  # SGLang captured its graphs before this rehearsal: every configuration has launched
     return result

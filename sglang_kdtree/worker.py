@@ -66,7 +66,7 @@ from sglang_kdtree import host_times, round_faults, round_log, seeded, state, sy
 from sglang_kdtree.contract import TreeStep, draft_head, tree_verify
 from sglang_kdtree.gpu.verify import full_mask_numel
 from sglang_kdtree.pipeline import select_backend, vocab_parallel_topk
-from sglang_kdtree.prewarm import log_launch_limits, prewarm_round, rehearse_round  # noqa: F401 (re-exported)
+from sglang_kdtree.prewarm import prewarm_round, rehearse_round  # noqa: F401  (rehearse_round: re-exported)
 from sglang_kdtree.round_log import RoundMarks
 from sglang_kdtree.spec_logprobs import round_logprobs
 from sglang_kdtree.state import RoundShape
@@ -209,7 +209,6 @@ class KDTreeWorker(DFlashWorkerV2):
         # largest width) by now: the smaller tiers get theirs, as EAGLE's adaptive states are built here
         self.verify_tiers = VerifyTiers(self.target_worker.model_runner, self.geometry.tiers)
         logger.info("KDTREE verify widths: %s", self.verify_tiers.describe())
-        log_launch_limits(self)  # every kernel configuration has launched (rehearsal, graph capture) by now
 
     def prewarm_sampling(self):
         """Rehearse KDTREE's own round bookkeeping at startup (not DFLASH's chain sampling verify, which
