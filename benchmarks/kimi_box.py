@@ -301,12 +301,11 @@ def assumptions(box: Box, ref: Box, ratios: dict, rule: str) -> list[str]:
         why,
         "Marlin INT4 runs mma.sync on both cards and stays well below wgmma's rate on the H200, so repricing "
         "compute-bound MoE (large T) at the cuBLAS-class bf16 rates is pessimistic for the box",
-        "attention is our MLA tree-verify kernel's H200 time repriced; on sm_120 that kernel cannot launch (155,648 B "
-        "of shared memory against 101,376), and SGLang's Triton MLA, the only sm_120 backend honouring a tree "
-        "mask, took 3.71x ours or more on the H200 (RESULTS, 'MLA tree-verify attention'): optimistic for wide "
-        "verifies, most at 16k and large batches",
+        "attention is the wgmma MLA tree-verify kernel's H200 time repriced; sm_120 has no wgmma, and the kernel it "
+        "runs (mma_compact) took 1.7-4.8x wgmma's time on the same H200 (RESULTS, 'MLA tree verify for sm_120'): "
+        "optimistic, most for wide verifies at 16k and large batches",
         "bookkeeping (tree, accept+commit) priced at the bandwidth ratio; on sm_120 the accept kernels spill "
-        f"registers and the tree kernels fit budgets up to 256 at depth 15 ({SM120_NOTES})",
+        f"registers ({SM120_NOTES})",
         f"collectives: {box.net.name if isinstance(box.net, TableNetwork) else 'ring model'} table interpolated "
         "linearly on message bytes (first point's time below it, last slope beyond), 2 all-reduces per layer + "
         "1 for the embedding per forward of T x 14,336 B; the logits all-gather of S bytes priced as an "
