@@ -110,24 +110,15 @@ def load_module_arch(name: str, arch: str, options: tuple[str, ...] = ()):
     import tempfile
 
     import cupy
-    from cupy_backends.cuda.libs import nvrtc
+
+    from sglang_kdtree.gpu.cubin import compile_cubin
 
     opts = ("--std=c++17", "-fmad=false", f"-I{kernels_dir()}", f"--gpu-architecture={arch}") + tuple(options)
-    source = compile_source(name)
-    key = nvrtc_cache_key(source, opts)
+    key = nvrtc_cache_key(compile_source(name), opts)
     cache = kernel_cache_dir()
     path = cache / f"sglang_kdtree_{Path(name).stem}_{arch}_{key}.cubin"
     if not path.is_file():
-        prog = nvrtc.createProgram(source, name, [], [])
-        try:
-            try:
-                nvrtc.compileProgram(prog, list(opts))
-            except nvrtc.NVRTCError as exc:
-                raise RuntimeError(f"NVRTC could not compile sglang_kdtree/kernels/{name} for {arch}: {exc}\n"
-                                   f"{nvrtc.getProgramLog(prog)}") from exc
-            cubin = nvrtc.getCUBIN(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
+        cubin = compile_cubin(name, arch, tuple(options))  # the same text and options: the key names this build
         cache.mkdir(parents=True, exist_ok=True)
         # written whole, then renamed: tensor-parallel ranks compiling at once never load a partial file
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".tmp")
