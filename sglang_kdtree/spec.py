@@ -141,8 +141,8 @@ def _fa3_problems(sa, limits: "DeviceLimits"):
     if not flags:
         return
     mla = _is_mla_model(sa)
-    if mla is None or (major == 8 and not mla):
-        return  # an unreadable config (a remote id, doctor away from the checkpoint) is judged by SGLang at load
+    if major == 8 and not mla:
+        return  # MHA on 8.x is SGLang's to serve; an unreadable config (a remote id) is judged by SGLang at load
     where = f"compute capability {major}.{minor}" + (" with an MLA target" if mla else "")
     rule = ("SGLang's fa3 backend serves MLA on compute capability 9.x only" if mla else
             "SGLang's fa3 backend runs on compute capability 9.x, and on 8.x for MHA targets")

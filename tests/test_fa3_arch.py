@@ -116,8 +116,12 @@ def test_without_a_gpu_or_a_readable_config_the_check_is_skipped(kimi, monkeypat
     assert spec.device_limits() is None  # a CPU machine judges no GPU ...
     assert spec.device_limits("12.0") == limits.for_arch("12.0")  # ... unless told which (doctor --arch)
     assert launch_args_problem(_argv(kimi, "fa3")) is None
-    # a config that cannot be read here (a remote id): SGLang judges it when it loads the model
-    assert launch_args_problem(_argv("/no/such/Kimi", "fa3"), limits.for_arch("12.0")) is None
+    # a config that cannot be read here (a remote id): on 12.0 fa3 is refused whatever the target (SGLang asserts for
+    # MHA and MLA alike there); on 8.x only an MLA target is, so SGLang judges it when it loads the model
+    problem = launch_args_problem(_argv("/no/such/Kimi", "fa3"), limits.for_arch("12.0"))
+    assert "--attention-backend fa3 is not supported on compute capability 12.0 (" in problem
+    ampere = dataclasses.replace(limits.for_arch("9.0"), arch=(8, 0), source="an 8.0 stand-in")
+    assert launch_args_problem(_argv("/no/such/Kimi", "fa3"), ampere) is None
 
 
 def test_the_sm_120_profile_on_a_hopper_gpu_refuses_fa3(kimi, monkeypatch):
