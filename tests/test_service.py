@@ -142,7 +142,9 @@ def test_launch_reads_the_example_env_file(tmp_path):
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "65"
     assert argv[argv.index("--attention-backend") + 1] == "triton"
     assert "--speculative-dflash-block-size" not in argv  # empty: the drafter's own block size
-    assert argv[-5:] == ["--trust-remote-code", "--host", "0.0.0.0", "--port", "30000"]
+    # the box's memory sizing (docs/sm120.md) travels in KDTREE_EXTRA_ARGS
+    assert argv[-11:] == ["--trust-remote-code", "--mem-fraction-static", "0.85", "--max-running-requests", "32",
+                          "--cuda-graph-max-bs-decode", "32", "--host", "0.0.0.0", "--port", "30000"]
     assert "--disable-overlap-schedule" not in argv  # SGLang's overlap scheduler, its default
 
 
