@@ -1,4 +1,4 @@
-"""``--attention-backend fa3`` judged against the GPU before SGLang's own assertion (issue 52): SGLang 0.5.23's fa3
+"""``--attention-backend fa3`` judged against the GPU before SGLang's own assertion: SGLang 0.5.23's fa3
 backend asserts ``(major == 8 and not MLA) or major == 9`` only once the weights are loaded, so the plugin's
 startup checks (``spec.launch_problems``, given the ``DeviceLimits`` that ``spec.device_limits`` picks) and
 ``doctor --arch`` refuse it first, naming ``triton``. Everything runs on the CPU: the GPU is a ``gpu.limits`` table

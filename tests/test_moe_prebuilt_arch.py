@@ -1,4 +1,4 @@
-"""Prebuilt Marlin JIT modules carry the architecture they were built for (issue 52): ``moe.jit.export_modules``
+"""Prebuilt Marlin JIT modules carry the architecture they were built for: ``moe.jit.export_modules``
 records each module's JIT target (SGLang's ``<target>`` cache segment) in the export's manifest, and
 ``seed_prebuilt`` plants a module only where SGLang's JIT builds for that same target; another target, or an export
 that records none, is compiled instead, with one warning naming both. On the CPU: a fake SGLang cache and export

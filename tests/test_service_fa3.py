@@ -1,4 +1,4 @@
-"""service/launch.sh judges ``KDTREE_ATTENTION_BACKEND=fa3`` by the GPUs' compute capability (issue 52): SGLang's
+"""service/launch.sh judges ``KDTREE_ATTENTION_BACKEND=fa3`` by the GPUs' compute capability: SGLang's
 fa3 backend asserts ``(major == 8 and not MLA) or major == 9`` only after the weight load, so the env-file check
 (and with it install.sh's preflight) refuses fa3 where nvidia-smi, or ``GPU_COMPUTE_CAP_CMD`` in its place, reports
 another capability, naming ``triton``. Where neither can be read the backend is not judged by the GPU. The env

@@ -48,8 +48,8 @@ def test_sm120_profile_picks_the_sm120_variants(monkeypatch):
 
 
 def test_tree_launch_at_budget_1024_depth_15_runs_under_the_profile(monkeypatch):
-    """Budgets 257-1024 at 15 depths asked for more than sm_120 allows when the opt-in was a constant; sized from
-    the need, the slot kernel's 61,440 B + static fit, and the tree matches the reference."""
+    """A budget of 1,024 at 15 depths: the slot kernel's 61,440 B + static shared memory, asked as needed (an opt-in
+    of a constant 227 KiB would exceed sm_120's limit), fit the profile, and the tree matches the reference."""
     import numpy as np
 
     from sglang_kdtree import reference
