@@ -123,7 +123,9 @@ def device_limits(arch_without_gpu=None) -> "DeviceLimits | None":
     from sglang_kdtree.gpu.runtime import gpu_available
 
     if gpu_available():
-        return limits.current()
+        # device 0, not torch's current device: asking torch would initialise CUDA in SGLang's launching process,
+        # which runs no kernel (the driver's properties need no context); a box's GPUs are one kind
+        return limits.current(0)
     return None if arch_without_gpu is None else limits.for_arch(arch_without_gpu)
 
 
