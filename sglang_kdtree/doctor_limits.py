@@ -14,7 +14,6 @@ def variants(lim: DeviceLimits) -> dict[str, str]:
     """What each step runs on a GPU with limits ``lim``: the MLA tree-verify kernel ``$SGLANG_KDTREE_MLA_KERNEL``
     picks there, and the tree's largest budget at the drafters' usual depths."""
     from sglang_kdtree.gpu import mla_attention, tree
-    from sglang_kdtree.gpu.launch_plan import kimi_launches
 
     out = {}
     try:
@@ -23,13 +22,9 @@ def variants(lim: DeviceLimits) -> dict[str, str]:
         out["MLA verify"] = f"{kernel} ({shape.row_tile} rows x {shape.key_tile}-key stages, {shape.smem_bytes:,} B)"
     except ValueError as exc:
         out["MLA verify"] = f"refused: {exc}"
-    from sglang_kdtree.gpu import cubin
-
-    kernels = {launch.function for launch in kimi_launches(lim) if launch.step == "tree"}
-    res = cubin.resources_of("best_first_tree.cu", lim.arch_name)
-    largest = {d: tree.largest_budget(d, lim, lambda name: res[name].static_smem) for d in (15, 31)}
-    out["tree"] = (f"{len(kernels)} kernels sized from the need; largest budget {largest[15]} at 15 draft depths, "
-                   f"{largest[31]} at 31")
+    static_smem = tree.static_smem_of_build(lim.arch_name)
+    largest = {d: tree.largest_budget(d, lim, static_smem) for d in (15, 31)}
+    out["tree"] = f"sized from the need; largest budget {largest[15]} at 15 draft depths, {largest[31]} at 31"
     return out
 
 

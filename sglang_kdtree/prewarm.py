@@ -46,18 +46,17 @@ def rehearse_round(backend, bs: int, shape, device, hidden_size: int = 8, hidden
 
 
 def _prepare_mla_verify(runner, device) -> None:
-    """An MLA target's fused tree verify: compile the kernel this GPU runs, check its launch against the device's
-    limits (``mla_attention.prepare``) and launch it once, whole and split (the merge), on a small tree, so a kernel
-    that cannot launch here refuses the start, naming it, before any round, graphs on or off. Its block and shared
-    memory do not depend on the batch, the width or the context (only its grid does). With ``SGLANG_KDTREE_MLA=off``
-    SGLang's own path runs and there is nothing to rehearse."""
+    """An MLA target's fused tree verify: launch the kernel this GPU runs once, whole and split (the merge), on a small
+    tree (the first launch compiles it and checks it against the device's limits), so a kernel that cannot launch
+    here refuses the start, naming it, before any round, graphs on or off. Its block and shared memory do not depend
+    on the batch, the width or the context (only its grid does). With ``SGLANG_KDTREE_MLA=off`` SGLang's own path
+    runs and there is nothing to rehearse."""
     from sglang_kdtree.patches import mla_tree_verify
 
     if getattr(runner, "use_mla_backend", False) and mla_tree_verify.option() != "off":
         from sglang_kdtree.gpu import mla_attention
         from sglang_kdtree.gpu.mla_reference import synthetic_inputs
 
-        mla_attention.prepare(device)
         case = synthetic_inputs(1, 3, 1, [40], device=device)
         for splits in (1, 2):
             mla_attention.mla_tree_verify(case["q"], case["kv_buffer"], case["kv_indptr"], case["kv_indices"],

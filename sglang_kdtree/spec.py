@@ -174,12 +174,11 @@ def _tree_problems(sa, budget: int, limits: "DeviceLimits"):
     depth = _draft_depths(sa)
     if depth is None or depth < 1:
         return
-    from sglang_kdtree.gpu import cubin, tree
+    from sglang_kdtree.gpu import tree
     from sglang_kdtree.gpu.limits import LaunchDoesNotFit
 
     try:
-        resources = cubin.resources_of("best_first_tree.cu", limits.arch_name)
-        tree.check_tree_fits(budget, depth, limits, lambda name: resources[name].static_smem)
+        tree.check_tree_fits(budget, depth, limits, tree.static_smem_of_build(limits.arch_name))
     except LaunchDoesNotFit as exc:
         yield f"KDTREE: verify width {budget + 1} (budget {budget}) at {depth} draft depths: {exc}"
     except RuntimeError as exc:  # NVRTC missing or failing here: the worker's tree builder checks at startup

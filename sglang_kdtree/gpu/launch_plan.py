@@ -120,10 +120,9 @@ def kimi_launches(lim: limits.DeviceLimits, static_smem=None) -> list[Launch]:
     """Every launch configuration for Kimi K2.6's shapes on a GPU with limits ``lim``. ``static_smem(name)``: a tree
     kernel's static shared memory (it bounds the budgets that fit); default: read from an NVRTC build for ``lim``."""
     if static_smem is None:
-        from sglang_kdtree.gpu import cubin
+        from sglang_kdtree.gpu import tree
 
-        resources = cubin.resources_of("best_first_tree.cu", lim.arch_name)
-        static_smem = lambda name: resources[name].static_smem  # noqa: E731
+        static_smem = tree.static_smem_of_build(lim.arch_name)
     return _mla(lim) + _tree(lim, static_smem) + _topk() + _accept_and_commit() + _moe()
 
 

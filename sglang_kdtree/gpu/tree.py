@@ -77,6 +77,15 @@ def _static_smem_here(name: str) -> int:
     return _STATIC_SMEM[name]
 
 
+def static_smem_of_build(arch_name: str):
+    """``static_smem(name)`` for ``largest_budget`` / ``check_tree_fits`` without a GPU (or without a CUDA context):
+    each tree kernel's static shared memory in an NVRTC build for ``arch_name`` (``gpu.cubin``)."""
+    from sglang_kdtree.gpu import cubin
+
+    resources = cubin.resources_of(_KERNEL, arch_name)
+    return lambda name: resources[name].static_smem
+
+
 def _fits(budget: int, depth: int, lim: limits.DeviceLimits, static_smem) -> bool:
     return all(smem + static_smem(name) <= lim.smem_per_block for name, smem in tree_launches(budget, depth))
 
