@@ -163,10 +163,11 @@ _records: dict[str, tuple[str, int]] = {}  # step -> (variant, largest shared me
 
 
 def record_launch(step: str, variant: str, smem: int) -> None:
-    """Note that ``step`` launched ``variant`` asking for ``smem`` bytes of shared memory (host-side, no sync)."""
+    """Note that ``step`` launched ``variant`` asking for ``smem`` bytes of shared memory (host-side, no sync); a step
+    keeps its largest launch, so the summary's largest request is the process's."""
     old = _records.get(step)
-    if old is None or old[0] != variant or old[1] < smem:
-        _records[step] = (variant, max(smem, old[1] if old and old[0] == variant else 0))
+    if old is None or old[1] < smem:
+        _records[step] = (variant, smem)
 
 
 def launch_records() -> dict[str, tuple[str, int]]:
@@ -178,7 +179,8 @@ def reset_records() -> None:
 
 
 def summary(limits: DeviceLimits) -> str:
-    """One line: the limits, the variant each step ran and the largest shared memory any launch asked for."""
+    """One line: the limits, each step's variant (that of its largest launch) and the largest shared memory any launch
+    asked for."""
     steps = ", ".join(f"{step}={variant}" for step, (variant, _) in sorted(_records.items())) or "none yet"
     largest = max((smem for _, smem in _records.values()), default=0)
     return f"{limits.describe()}; variants: {steps}; largest shared memory asked: {largest:,} B"
