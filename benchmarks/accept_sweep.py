@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from sglang_kdtree import reference as ref
-from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
+from sglang_kdtree.cli.bench_timing import capture_graph, copy_bandwidth, cuda_time_us, floor_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_accept import DEPTH, make_case  # noqa: E402  (bench_accept.py's trees and steered targets)

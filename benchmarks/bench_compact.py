@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_accept import cuda_torch_or_skip, fmt, maybe_graph, measured_bandwidth, time_calls, write_rows  # noqa: E402
 
-from sglang_kdtree.bench_timing import floor_us  # noqa: E402
+from sglang_kdtree.cli.bench_timing import floor_us  # noqa: E402
 
 LAYERS = 61
 ROW = 576

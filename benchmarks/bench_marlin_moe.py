@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, cuda_time_us
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # the sibling module, also when loaded by path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us, graph_replay_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, cuda_time_us, graph_replay_us
 from sglang_kdtree.gpu.mla_attention import mla_tree_verify, resolve_kernel
 from sglang_kdtree.gpu.mla_reference import synthetic_inputs
 

@@ -14,7 +14,7 @@ CUDA graphs on and the same drafter for DFLASH and KDTREE:
 * ``...-overlap`` after a KDTREE kind (``kdtree-63-overlap``): the same on SGLang's overlap scheduler (the other
   KDTREE kinds run with ``--disable-overlap-schedule``);
 * ``kdtree-auto``: no ``--speculative-num-draft-tokens``: the verify width chosen per round among ``--widths``
-  (``sglang_kdtree.width_choice``); ``kdtree-auto-log``: the same with the round log, which gives the widths
+  (``sglang_kdtree.round.width_choice``); ``kdtree-auto-log``: the same with the round log, which gives the widths
   chosen and the predicted vs realised accept lengths per width (``widths`` in the JSON);
 * ``kdtree-nomla``: KDTREE with ``SGLANG_KDTREE_MLA=off`` (SGLang's MLA verify attention instead of the fused
   kernel); it and ``kdtree-log`` dump their first rounds' verify logits (``KDTREE_DUMP_VERIFY``), compared
@@ -46,7 +46,7 @@ servers in the same run. With ``--latency-split`` every server starts with ``--e
 per-request time stats), and each row adds the requests' median first-token latency and decode rate after it:
 whether a server loses its time per request before the first token or while decoding. With ``--host-times`` every
 server times its decode rounds' host work by step of SGLang's scheduler loop, KDTREE's round inside it and the
-loop's wait for the device (``sglang_kdtree/host_times.py``; no profiler): where an overlapped round's time goes on
+loop's wait for the device (``sglang_kdtree/server/host_times.py``; no profiler): where an overlapped round's time goes on
 a host-paced target.
 """
 
@@ -65,7 +65,7 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the 
 import cuda_servers  # noqa: E402
 
 from benchmarks import idle_gaps, server_kinds  # noqa: E402
-from sglang_kdtree.host_times import format_round_steps, format_table as format_host_times  # noqa: E402
+from sglang_kdtree.server.host_times import format_round_steps, format_table as format_host_times  # noqa: E402
 
 PHASES = ("draft", "tree", "verify", "accept_commit")
 #: the round-log steps that are KDTREE's bookkeeping ("accept_commit" is the step that builds the result),
@@ -177,7 +177,7 @@ def batch_of(bs: int) -> list[list[int]]:
 
 
 def read_host_times(servers: dict, out: Path) -> dict:
-    """``{kind: {bs: ...}}`` from each server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/host_times.py``), after one
+    """``{kind: {bs: ...}}`` from each server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/server/host_times.py``), after one
     short request at batch 1 has made it write the last batch size it timed."""
     found = {}
     for kind, server in servers.items():
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
                          "and decode rate (medians) beside its tokens/s: where a server's time per request goes")
     ap.add_argument("--host-times", action="store_true",
                     help="every server times its decode rounds' host work, step by step of SGLang's scheduler loop "
-                         "(KDTREE_HOST_TIMES, sglang_kdtree/host_times.py): medians over the timed batches")
+                         "(KDTREE_HOST_TIMES, sglang_kdtree/server/host_times.py): medians over the timed batches")
     ap.add_argument("--out", type=Path, required=True, help="folder for server logs and bench.json")
     args = ap.parse_args(argv)
     variant = cuda_servers.variants(args.dtype)[args.variant]

@@ -1,5 +1,5 @@
 """pytest-benchmark cases for GPU tree construction (needs a GPU; skipped otherwise). The full stage table
-with the CPU path and SGLang's kernel is ``python -m sglang_kdtree.bench_gpu``."""
+with the CPU path and SGLang's kernel is ``python -m sglang_kdtree.cli.bench_gpu``."""
 
 import pytest
 
@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_unavailable_reason() is no
 def setup(request):
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu.tree import TreeBuilder
 
     bs, budget = request.param

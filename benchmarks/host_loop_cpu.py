@@ -6,7 +6,7 @@ On a CPU server the forward runs inside the host's launch, so nothing can overla
 work. What overlap scheduling changes there is only the loop's own work per round (futures, the result queue, the
 batch copy), which this measures for plain and KDTREE servers of the tiny Llama target (``tests/e2e``), each
 with ``--disable-overlap-schedule`` and without, one server at a time: ``KDTREE_HOST_TIMES``
-(``sglang_kdtree/host_times.py``) per batch size. The CUDA calls of the GPU path (streams, events, copies) are not
+(``sglang_kdtree/server/host_times.py``) per batch size. The CUDA calls of the GPU path (streams, events, copies) are not
 in it; on a GPU the same columns come from ``benchmarks/bench_server.py --host-times``.
 
 ``loop`` in the table is the period less the forward: less ``worker`` for KDTREE (its round), less ``launch`` for
@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]
 import make_tiny_models  # noqa: E402
 from server_requests import PROMPTS, _kdtree_args  # noqa: E402
 
-from sglang_kdtree import host_times  # noqa: E402
+from sglang_kdtree.server import host_times  # noqa: E402
 
 # the CPU server harness of the end-to-end tests, by path: under pytest another ``conftest`` may hold the name
 _spec = importlib.util.spec_from_file_location("e2e_conftest", ROOT / "tests" / "e2e" / "conftest.py")

@@ -36,7 +36,7 @@ import sys
 import time
 
 from benchmarks.kimi_model import DRAFT_PIECES, KIMI, VERIFY_PIECES, RoundConfig, key
-from sglang_kdtree.bench_timing import cuda_time_us
+from sglang_kdtree.cli.bench_timing import cuda_time_us
 
 
 class DeadlineExceeded(BaseException):

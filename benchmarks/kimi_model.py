@@ -7,7 +7,7 @@ Rows per (context, batch), each round = draft + tree + verify forward + accept+c
 AR (verify width 1, no draft), DFLASH (width = drafter block 16), ``KDTREE-B`` for each fixed node budget B of
 ``budgets`` (width B + 1; default 15/31/47/63: widths 16/32/48/64, tile-aligned) and ``KDTREE-auto``: the tree is
 built at the largest budget and the target verifies its first w rows, w maximising tau(w - 1) / round(w) over the
-fixed widths, chosen by the server's own rule ``sglang_kdtree.widths.best_width`` (the first n nodes of a best-first
+fixed widths, chosen by the server's own rule ``sglang_kdtree.round.widths.best_width`` (the first n nodes of a best-first
 tree are the budget-n tree, so a cut tree accepts as that budget's would).
 
 Tokens per round: AR 1; DFLASH ``accept_dflash`` (default 5.19); KDTREE-B tau(B) from a ``TauCurve``, linear in
@@ -36,7 +36,7 @@ import json
 import math
 import statistics
 
-from sglang_kdtree.widths import best_width
+from sglang_kdtree.round.widths import best_width
 
 # ---- shapes -----------------------------------------------------------------------------------------------
 

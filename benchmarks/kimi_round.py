@@ -26,7 +26,7 @@ best budget, so at 64 an optimistic figure). Not Kimi K2.6's numbers: pass a mea
 greedy curve and DFLASH's tau so, in its ``acceptance.json``).
 
 KDTREE-auto: the tree is built at the largest budget (its bookkeeping is that budget's) and verified at the width w
-maximising tau(w - 1) / round(w) among the fixed rows' widths, by ``sglang_kdtree.widths.best_width``, the server's
+maximising tau(w - 1) / round(w) among the fixed rows' widths, by ``sglang_kdtree.round.widths.best_width``, the server's
 rule. ASSUMPTION: the bookkeeping is measured at the largest budget and used for every KDTREE row (~0.2 % of the
 round). The report ends with a summary per (context, batch) and one check line per target: auto within 2 % of the
 best fixed budget in every cell, auto >= 1.15x DFLASH per request at batch 1 and >= 1.10x at batch 32, auto never
@@ -193,7 +193,7 @@ def assumptions_text(cfg: RoundConfig, moe_path: str | None) -> list[str]:
     out += [f"bookkeeping (tree + accept+commit) measured per batch at the largest budget, {cfg.bookkeeping_budget}, "
             "and used for every KDTREE row (ASSUMPTION: ~0.2 % of the round); KDTREE-auto builds its tree there and "
             f"verifies the width w of {', '.join(str(b + 1) for b in cfg.budgets)} maximising tau(w-1) / round(w) "
-            "(sglang_kdtree.widths.best_width, the server's rule; ties: the smaller)",
+            "(sglang_kdtree.round.widths.best_width, the server's rule; ties: the smaller)",
             "AR / DFLASH carry no bookkeeping; RoPE, residual adds, final norm, sampling, host time and overlap are "
             "not modelled; the round is the sum of its pieces"]
     return out

@@ -12,7 +12,7 @@ import argparse
 def main(argv=None) -> int:
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import topk
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from sglang_kdtree.bench_timing import capture_graph, cuda_time_us
+from sglang_kdtree.cli.bench_timing import capture_graph, cuda_time_us
 from sglang_kdtree.state import RoundShape
 
 
@@ -178,7 +178,7 @@ def parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int
 
 def _parts(bs: int, budget: int, depth: int, vocab: int, hidden: int, layers: int, agree: float,
            trace: bool) -> dict:
-    from sglang_kdtree import pipeline
+    from sglang_kdtree.round import pipeline
 
     gen = torch.Generator(device="cuda").manual_seed(bs)
     width = budget + 1

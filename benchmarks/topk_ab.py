@@ -16,13 +16,13 @@ import argparse
 import importlib
 import json
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cuda_time_us, floor_us, graph_replay_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, cuda_time_us, floor_us, graph_replay_us
 
 
 def main(argv=None) -> int:
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import topk as new
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_kdtree.bench_timing import copy_bandwidth, floor_us, graph_replay_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, floor_us, graph_replay_us
 
 _PROBE = r"""
 // Benchmark-only probes (benchmarks/topk_floor.py): an empty kernel, and a streaming max over bf16 row chunks.
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import runtime, topk
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

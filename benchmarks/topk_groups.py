@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_kdtree.bench_timing import copy_bandwidth, floor_us, graph_replay_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, floor_us, graph_replay_us
 
 NEVER = 1 << 62
 
@@ -19,7 +19,7 @@ NEVER = 1 << 62
 def main(argv=None) -> int:
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import topk
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

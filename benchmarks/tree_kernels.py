@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_kdtree.bench_timing import copy_bandwidth, cpu_time_us, floor_us, graph_replay_us
+from sglang_kdtree.cli.bench_timing import copy_bandwidth, cpu_time_us, floor_us, graph_replay_us
 
 
 def main(argv=None) -> int:
@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     import torch
 
     from sglang_kdtree import reference as ref
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import topk, tree
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

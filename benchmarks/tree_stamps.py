@@ -86,7 +86,7 @@ def run_copy(text, name, lp, ids, bs):
     import cupy
     import torch
 
-    from sglang_kdtree.bench_timing import capture_graph, cuda_time_us
+    from sglang_kdtree.cli.bench_timing import capture_graph, cuda_time_us
     from sglang_kdtree.gpu import runtime
 
     mod = cupy.RawModule(code=stamped_source(text, name),
@@ -125,7 +125,7 @@ def run_copy(text, name, lp, ids, bs):
 def main(argv=None) -> int:
     import torch
 
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
     from sglang_kdtree.gpu import runtime, topk
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

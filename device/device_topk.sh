@@ -16,7 +16,7 @@ timeout "${AB_TIMEOUT:-50}" python3 benchmarks/topk_ab.py --impls histogram cut 
   ${AB_VARIANT:+--variant="$AB_VARIANT"} ${AB_OLD:+--old "$AB_OLD"} --json "$OUT/topk_ab.json" > "$OUT/topk_ab.log" 2>&1
 echo "topk_ab rc=$?"; grep -v '^{' "$OUT/topk_ab.log" | tail -20
 for impl in histogram cut; do
-  SGLANG_KDTREE_TOPK_IMPL=$impl timeout "${BENCH_TIMEOUT:-22}" python3 -m sglang_kdtree.bench_gpu --batches 32 \
+  SGLANG_KDTREE_TOPK_IMPL=$impl timeout "${BENCH_TIMEOUT:-22}" python3 -m sglang_kdtree.cli.bench_gpu --batches 32 \
     --budgets 64 --json "$OUT/bench_$impl.json" > "$OUT/bench_$impl.log" 2>&1
   echo "bench_gpu $impl rc=$?"; grep -v '^{' "$OUT/bench_$impl.log" | tail -4
 done

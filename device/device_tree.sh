@@ -14,5 +14,5 @@ timeout 190 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_topk_gpu.py 
 tail -30 "$OUT/tests.log"
 timeout 50 python3 -m pytest -q -p no:cacheprovider benchmarks/bench_tree.py --benchmark-columns=min,median,max \
   > "$OUT/bench_pytest.log" 2>&1; echo "bench_tree rc=$?"; tail -12 "$OUT/bench_pytest.log"
-timeout 200 python3 -m sglang_kdtree.bench_gpu ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+timeout 200 python3 -m sglang_kdtree.cli.bench_gpu ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench_gpu rc=$?"; tail -30 "$OUT/bench.log"

@@ -172,7 +172,7 @@ except Exception as exc:  # report any failure as a finding, not a traceback
 
 command = os.environ.get("KDTREE_PREFLIGHT_COMMAND", "")
 try:
-    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+    from sglang_kdtree.cli.doctor_launch import launch_args_problem, server_argv
 
     problem = launch_args_problem(server_argv(command))
     print("flags ok" if problem is None else "flags error " + problem.replace("\n", " "))
@@ -195,7 +195,7 @@ _kdtree_fail() {
 #   - SGLang and sglang-kdtree are installed, SGLang at the version sglang-kdtree pins;
 #   - `--speculative-algorithm kdtree` resolves after SGLang's load_plugins();
 #   - COMMAND, the unit's command line, passes SGLang's argument parser and KDTREE's startup checks
-#     (sglang_kdtree.doctor_launch: what the server refuses before it loads anything).
+#     (sglang_kdtree.cli.doctor_launch: what the server refuses before it loads anything).
 # Prints one "  ok   <what>" or "  FAIL <why>" line per check on stdout and returns 1 when any failed. It runs
 # from / as the unit does, so a checkout in the current directory (its sglang_kdtree/ or the *.egg-info that
 # `pip install .` leaves there) cannot stand in for an installed plugin. Takes about half a minute: it imports

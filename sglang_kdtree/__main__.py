@@ -18,10 +18,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv[:1])  # the command; its own parser reads the rest
     rest = argv[1:]
     if args.command == "doctor":
-        from sglang_kdtree.doctor import main as doctor_main
+        from sglang_kdtree.cli.doctor import main as doctor_main
 
         return doctor_main(rest)
-    from sglang_kdtree.bench import main as bench_main
+    from sglang_kdtree.cli.bench import main as bench_main
 
     return bench_main(rest)
 

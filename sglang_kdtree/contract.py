@@ -1,6 +1,6 @@
 """The round backend contract: what ``KDTreeWorker`` calls on a backend, and the results it gets back.
 
-``RoundBackend`` is implemented by ``reference_backend.ReferenceBackend`` (numpy on host copies: CPU serving,
+``RoundBackend`` is implemented by ``reference.backend.ReferenceBackend`` (numpy on host copies: CPU serving,
 and the oracle) and ``gpu.backend.GpuBackend`` (the CUDA kernels); ``pipeline.select_backend`` picks one. Both
 take torch tensors on the worker's device and return the dataclasses below, on that device, with the same
 shapes and dtypes (``bs`` requests, ``N`` verify rows: ``B + 1`` for the whole tree, the round's width for a cut
@@ -44,7 +44,7 @@ import torch
 
 from sglang_kdtree.gpu.errors import raise_on_device_error
 from sglang_kdtree.state import RoundShape
-from sglang_kdtree.widths import expected_accepts
+from sglang_kdtree.round.widths import expected_accepts
 
 
 @dataclass
@@ -122,7 +122,7 @@ class CommitPlan:
 
 
 class RoundBackend(Protocol):
-    """The round's tensor operations (steps 2-6 of ``sglang_kdtree.worker``); tensors on ``device``."""
+    """The round's tensor operations (steps 2-6 of ``sglang_kdtree.round.worker``); tensors on ``device``."""
 
     name: str  # "reference" or "gpu"
     device: torch.device

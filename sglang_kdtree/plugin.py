@@ -117,7 +117,7 @@ def _check_model_paths(server_args, previous) -> None:
 
 def _validate_server_args(server_args) -> None:
     """``spec.validate_server_args`` with its refusals reported as one ``kdtree: ...`` line."""
-    from sglang_kdtree import spec
+    from sglang_kdtree.server import spec
 
     if _load_error is not None:
         raise refuse(
@@ -134,10 +134,10 @@ def _validate_server_args(server_args) -> None:
 def _worker_factory(server_args):
     """Return the worker class SGLang's scheduler constructs for ``--speculative-algorithm kdtree``."""
     try:
-        from sglang_kdtree.worker import KDTreeWorker
+        from sglang_kdtree.round.worker import KDTreeWorker
     except ImportError as exc:
         message = (
-            "KDTREE: the DDTree worker (sglang_kdtree.worker.KDTreeWorker) is not available in this build of "
+            "KDTREE: the DDTree worker (sglang_kdtree.round.worker.KDTreeWorker) is not available in this build of "
             f"sglang-kdtree ({exc}); refusing to fall back to another algorithm. Upgrade sglang-kdtree or "
             "choose a different --speculative-algorithm."
         )
@@ -154,7 +154,8 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_kdtree import spec, state
+    from sglang_kdtree import state
+    from sglang_kdtree.server import spec
 
     if get_spec(state.ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(

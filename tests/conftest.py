@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 def _fresh_verify_widths(monkeypatch):
     """The plugin's startup check writes the resolved verify widths into the process environment for the
     scheduler processes it spawns (``spec.resolve_widths``); each test resolves its own configuration."""
-    from sglang_kdtree.widths import WIDTHS_ENV
+    from sglang_kdtree.round.widths import WIDTHS_ENV
 
     monkeypatch.delenv(WIDTHS_ENV, raising=False)
     monkeypatch.delenv("SGLANG_KDTREE_VERIFY_WIDTHS_RESOLVED", raising=False)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sglang_kdtree import bench
+from sglang_kdtree.cli import bench
 
 SMALL = ["--batches", "2", "--budgets", "4", "--depths", "3", "--vocab", "64", "--cpu-only"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_kdtree import bench
+from sglang_kdtree.cli import bench
 
 
 def test_bench_flag_without_a_checkout_names_the_command(tmp_path):

@@ -273,7 +273,7 @@ def test_timed_batches_take_turns_across_servers_and_stay_with_their_server():
 def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp_path, monkeypatch):
     """``--host-times``: each server gets its own ``KDTREE_HOST_TIMES`` file; after the timed batches one short
     request at batch 1 makes the server write its last size, then the files are read and tabled."""
-    from sglang_kdtree import host_times
+    from sglang_kdtree.server import host_times
 
     bench = _load()
     assert set(host_times.TABLE_COLUMNS) == set(host_times.COLUMNS)

@@ -47,7 +47,7 @@ def test_graph_replay_us_divides_by_every_call_it_replays(monkeypatch):
     """``bench_timing.graph_replay_us`` (topk_floor's, topk_ab's and bench_mla_attention's graph timer): a graph
     of ``repeat`` calls, ``replays`` replays per timed pass, per-call time = pass time / (replays x repeat). The
     CUDA parts are stood in for."""
-    from sglang_kdtree import bench_timing
+    from sglang_kdtree.cli import bench_timing
 
     captured, replayed = [], []
 

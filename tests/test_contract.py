@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from sglang_kdtree import contract, pipeline
+from sglang_kdtree import contract
+from sglang_kdtree.round import pipeline
 from sglang_kdtree.state import RoundShape
 
 PROTOCOL_MEMBERS = [name for name in vars(contract.RoundBackend) if not name.startswith("_")] + [

@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from sglang_kdtree import pipeline, round_faults
+from sglang_kdtree.round import pipeline
+from sglang_kdtree.round import faults as round_faults
 from sglang_kdtree.gpu.errors import ERR_LOGITS_NAN, ERR_LOGITS_POSINF, ERR_LOGPROB_NAN
 
 
@@ -205,7 +206,7 @@ def test_the_pushed_list_is_a_snapshot():
 
 
 def test_the_worker_lands_a_result_when_sglang_reports_its_accept_counts():
-    from sglang_kdtree.worker import KDTreeWorker
+    from sglang_kdtree.round.worker import KDTreeWorker
 
     worker = object.__new__(KDTreeWorker)
     worker.deferred_faults = round_faults.DeferredFaults()

@@ -126,7 +126,7 @@ def _shell_commands(path: Path) -> list[str]:
 def test_documented_launches_pass_sglangs_parser_and_the_plugins_checks(path):
     """Each documented ``sglang.launch_server`` command line would get past SGLang's argument parser and, for
     ``kdtree``, the plugin's startup checks (the checkpoints aside)."""
-    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+    from sglang_kdtree.cli.doctor_launch import launch_args_problem, server_argv
 
     launches = [c for c in _shell_commands(path) if "sglang.launch_server" in c]
     assert launches, f"{path.name} shows no launch"

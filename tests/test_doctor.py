@@ -22,7 +22,9 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_kdtree import doctor, doctor_install, plugin  # noqa: E402
+from sglang_kdtree import plugin  # noqa: E402
+from sglang_kdtree.cli import doctor
+from sglang_kdtree.cli import doctor_install
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKED = "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode"
@@ -388,7 +390,7 @@ def test_missing_checkpoint_paths_are_refused_before_sglang_reads_them(plugins_l
 
 def test_launch_args_problem_runs_sglangs_parser_then_kdtrees_checks():
     """Check 8 (``doctor_launch``): what the server would refuse before it loads anything, with its message."""
-    from sglang_kdtree.doctor_launch import launch_args_problem, server_argv
+    from sglang_kdtree.cli.doctor_launch import launch_args_problem, server_argv
 
     base = ["--model-path", "/m", "--speculative-algorithm", "kdtree", "--speculative-draft-model-path", "/d",
             "--attention-backend", "fa3", "--page-size", "1"]

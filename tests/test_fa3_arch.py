@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_kdtree import doctor, spec  # noqa: E402
-from sglang_kdtree.doctor_launch import check_launch_command, launch_args_problem, server_argv  # noqa: E402
+from sglang_kdtree.cli import doctor  # noqa: E402
+from sglang_kdtree.server import spec
+from sglang_kdtree.cli.doctor_launch import check_launch_command, launch_args_problem, server_argv  # noqa: E402
 from sglang_kdtree.gpu import limits, runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

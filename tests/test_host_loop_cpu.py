@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import host_loop_cpu
-from sglang_kdtree import host_times
+from sglang_kdtree.server import host_times
 
 
 def _row(**ms):

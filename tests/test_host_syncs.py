@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parents[1] / "sglang_kdtree"
 
 #: the modules a decode round runs (serving only: offline tools, kernels' numpy twins and startup checks are not)
 DECODE_PATH = (
-    "worker.py", "pipeline.py", "contract.py", "width_choice.py", "round_faults.py", "seeded.py", "verify_input.py",
-    "state.py", "spec_logprobs.py", "round_log.py", "verify_tiers.py", "prewarm.py", "reference_backend.py",
-    "sync_debug.py", "host_times.py", "gpu/*.py", "patches/*.py", "moe/forward.py", "moe/launch.py", "moe/routing.py",
+    "round/*.py", "contract.py", "state.py", "server/prewarm.py", "server/sync_debug.py", "server/host_times.py",
+    "reference/backend.py", "gpu/*.py", "patches/*.py", "moe/forward.py", "moe/launch.py", "moe/routing.py",
     "moe/weights.py",
 )
 #: numpy / float64 twins of kernels under the globs above: the tests run them, a server never does
@@ -38,39 +37,39 @@ _HOST_BUILT = {"tensor", "as_tensor", "from_numpy"}
 
 ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     # the round's fault words, on the host once SGLang has the round's results (not on the round's path)
-    ("round_faults.py", "finish_faulty_requests", ".tolist()"):
+    ("round/faults.py", "finish_faulty_requests", ".tolist()"):
         (1, "a host copy, read in on_verify_complete_cpu after SGLang's copy_done: it has landed, no wait"),
-    ("round_faults.py", "release_round_caches", ".empty_cache()"): (1, "failure path: OOM retry"),
-    ("width_choice.py", "DeviceTimer.read", ".tolist()"):
+    ("round/faults.py", "release_round_caches", ".empty_cache()"): (1, "failure path: OOM retry"),
+    ("round/width_choice.py", "DeviceTimer.read", ".tolist()"):
         (1, "a pinned host copy read only once its end event has completed (settle checks ready()): no wait"),
-    ("width_choice.py", "DeviceTimer.wait", ".synchronize()"):
+    ("round/width_choice.py", "DeviceTimer.wait", ".synchronize()"):
         (1, "only settle(wait=True), which only the round log calls (diagnostics, KDTREE_ROUND_LOG)"),
-    ("width_choice.py", "agreed_width", ".tolist()"):
+    ("round/width_choice.py", "agreed_width", ".tolist()"):
         (1, "TP > 1, automatic width: a CPU tensor of a gloo broadcast between the ranks' host processes, no device"),
-    ("width_choice.py", "HostTimer.read", ".tolist()"):
+    ("round/width_choice.py", "HostTimer.read", ".tolist()"):
         (1, "a host tensor: the CPU server's statistics never left the host"),
     # seeded prefill (T > 0 requests with sampling_seed, outside deterministic mode)
-    ("reference_backend.py", "_np", '.to("cpu")'):
+    ("reference/backend.py", "_np", '.to("cpu")'):
         (1, "reference backend: numpy by design (on CUDA only the seeded prefill's draw uses it)"),
-    ("reference_backend.py", "_np", ".numpy()"):
+    ("reference/backend.py", "_np", ".numpy()"):
         (1, "reference backend: numpy by design (on CUDA only the seeded prefill's draw uses it)"),
-    ("reference_backend.py", "ReferenceBackend._t", "host tensor .to(device)"):
+    ("reference/backend.py", "ReferenceBackend._t", "host tensor .to(device)"):
         (1, "reference backend: numpy by design (on CUDA only the seeded prefill's draw uses it)"),
     # opt-in diagnostics
-    ("round_log.py", "RoundMarks._steps", ".synchronize()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "_sibling_accepts", '.to("cpu")'): (3, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "_sibling_accepts", ".tolist()"): (2, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "write_round_record", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "write_round_record", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "_depth_reach", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "_depth_reach", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
-    ("round_log.py", "dump_verify", ".cpu()"): (5, "diagnostics only (KDTREE_DUMP_VERIFY, first rounds)"),
+    ("round/log.py", "RoundMarks._steps", ".synchronize()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "_sibling_accepts", '.to("cpu")'): (3, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "_sibling_accepts", ".tolist()"): (2, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "write_round_record", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "write_round_record", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "_depth_reach", '.to("cpu")'): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "_depth_reach", ".tolist()"): (1, "diagnostics only (KDTREE_ROUND_LOG)"),
+    ("round/log.py", "dump_verify", ".cpu()"): (5, "diagnostics only (KDTREE_DUMP_VERIFY, first rounds)"),
     ("gpu/mla_attention.py", "launch_counts", ".item()"): (1, "diagnostics only (the round log's kernel counts)"),
     ("patches/mla_tree_verify.py", "check_stats", ".tolist()"): (1, "diagnostics only (SGLANG_KDTREE_MLA=check)"),
     # test and debug modes
-    ("verify_input.py", "host_prefix_lens", '.to("cpu")'): (1, "check mode (KDTREE_CHECK_HOST_LENS, e2e tests)"),
-    ("verify_input.py", "host_prefix_lens", ".tolist()"): (2, "check mode: the failure's message"),
-    ("verify_input.py", "host_prefix_lens", "bool(.any())"): (1, "check mode: compares two host copies"),
+    ("round/verify_input.py", "host_prefix_lens", '.to("cpu")'): (1, "check mode (KDTREE_CHECK_HOST_LENS, e2e tests)"),
+    ("round/verify_input.py", "host_prefix_lens", ".tolist()"): (2, "check mode: the failure's message"),
+    ("round/verify_input.py", "host_prefix_lens", "bool(.any())"): (1, "check mode: compares two host copies"),
     ("gpu/topk.py", "raise_on_flag", ".item()"): (1, "check=True test mode"),
     ("gpu/errors.py", "error_bits", ".tolist()"): (1, "check=True test mode and error messages"),
     ("moe/routing.py", "raise_on_route_error", ".item()"): (1, "tests and debugging"),
@@ -78,7 +77,7 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     ("patches/torch_native_verify.py", "verify_attention", ".tolist()"):
         (2, "the CPU verify attention (torch_native), host-side by design"),
     # startup
-    ("prewarm.py", "prewarm_round", ".synchronize()"): (2, "startup (the round's rehearsal)"),
+    ("server/prewarm.py", "prewarm_round", ".synchronize()"): (2, "startup (the round's rehearsal)"),
     ("moe/weights.py", "pack_int4", "bool(.any())"): (1, "startup (weight packing)"),
     ("gpu/runtime.py", "launch", ".item()"): (1, "numpy scalars of a kernel launch's arguments (host values)"),
 }

@@ -1,4 +1,4 @@
-"""sglang_kdtree/host_times.py and patches/scheduler_loop_times.py: a decode round's host time, step by step of
+"""sglang_kdtree/server/host_times.py and patches/scheduler_loop_times.py: a decode round's host time, step by step of
 SGLang's scheduler loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_kdtree import host_times
+from sglang_kdtree.server import host_times
 from sglang_kdtree.patches import scheduler_loop_times
 
 
@@ -196,7 +196,7 @@ def test_the_rounds_own_steps_are_host_clock_medians_of_the_rounds_that_have_the
     """``round_steps``: the KDTREE round's marks, read on the host clock only, go into the pass in progress; per batch
     size their medians sit beside the columns, over the rounds that carry them (a plain server's rounds carry
     none), and the table shows them beside ``worker``."""
-    from sglang_kdtree.round_log import RoundMarks
+    from sglang_kdtree.round.log import RoundMarks
 
     clock = _Clock()
     times = host_times.LoopTimes("unused", clock=clock)
@@ -236,7 +236,7 @@ def test_the_rounds_own_steps_are_host_clock_medians_of_the_rounds_that_have_the
 
 
 def test_round_steps_off_by_default_and_the_host_only_marks_make_no_cuda_event(monkeypatch):
-    from sglang_kdtree.round_log import RoundMarks
+    from sglang_kdtree.round.log import RoundMarks
 
     monkeypatch.setattr(host_times, "LOOP", host_times.LoopTimes(None))
     marks = RoundMarks("cuda", enabled=True, device_clock=False, events=None)

@@ -87,8 +87,8 @@ def test_an_oversized_configuration_fails(oversized):
 def test_doctor_reports_the_variants_and_the_fit_for_its_arch():
     import io
 
-    from sglang_kdtree.doctor_install import Report
-    from sglang_kdtree.doctor_limits import check_launch_configurations
+    from sglang_kdtree.cli.doctor_install import Report
+    from sglang_kdtree.cli.doctor_limits import check_launch_configurations
 
     report = Report(out=io.StringIO())
     assert check_launch_configurations(report, limits.for_arch("12.0"))

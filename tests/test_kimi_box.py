@@ -14,7 +14,7 @@ import pytest
 from benchmarks import kimi_box as kb
 from benchmarks import kimi_model as km
 from benchmarks import plot_kimi_round
-from sglang_kdtree import bench
+from sglang_kdtree.cli import bench
 
 kr = bench.load_kimi_round()
 SAVED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kimi_round.json"

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import kimi_measure as kmeasure
 from benchmarks import plot_kimi_round
-from sglang_kdtree import bench
+from sglang_kdtree.cli import bench
 
 kr = bench.load_kimi_round()
 km = kr.kimi_model

@@ -165,7 +165,7 @@ def test_graph_spec_info_is_tree_for_kdtree_target_only():
     import torch
 
     from sglang_kdtree.patches import verify_graph_spec_info as patch
-    from sglang_kdtree.verify_input import KDTreeVerifyInput
+    from sglang_kdtree.round.verify_input import KDTreeVerifyInput
 
     mask = torch.ones(64, dtype=torch.bool)
     calls = []

@@ -13,7 +13,8 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-from sglang_kdtree import plugin, spec, state  # noqa: E402
+from sglang_kdtree import plugin, state  # noqa: E402
+from sglang_kdtree.server import spec
 
 
 @pytest.fixture(scope="module")
@@ -178,13 +179,13 @@ def test_worker_factory_never_falls_back(monkeypatch, model_dir):
     except plugin.WorkerUnavailableError as exc:
         assert "refusing to fall back" in str(exc)
     else:
-        assert cls.__module__ == "sglang_kdtree.worker"
+        assert cls.__module__ == "sglang_kdtree.round.worker"
     import builtins
 
     real_import = builtins.__import__
 
     def no_worker(name, *a, **kw):
-        if name == "sglang_kdtree.worker":
+        if name == "sglang_kdtree.round.worker":
             raise ImportError("simulated missing worker")
         return real_import(name, *a, **kw)
 

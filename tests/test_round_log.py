@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_kdtree import round_log
+from sglang_kdtree.round import log as round_log
 from sglang_kdtree.contract import Trees, cut_trees
 from sglang_kdtree.reference import tree as ref_tree
-from sglang_kdtree.widths import expected_accepts
+from sglang_kdtree.round.widths import expected_accepts
 
 
 def _trees(seed: int, bs: int = 3, depths: int = 5, k: int = 4, budget: int = 12) -> tuple[Trees, np.ndarray]:

@@ -1,4 +1,4 @@
-"""CPU checks of ``sglang_kdtree.spec_logprobs``: the logprobs of a round's committed tokens come from the verify
+"""CPU checks of ``sglang_kdtree.round.spec_logprobs``: the logprobs of a round's committed tokens come from the verify
 rows of the accepted nodes, in the layout SGLang's scheduler reads (``_apply_decode_logprobs``), and equal an
 independent float64 autoregressive computation under SGLang's rule (raw for greedy, ``logits / T`` otherwise)."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from sglang_kdtree.spec_logprobs import accepted_rows, reseed_prefill_logprobs, round_logprobs
+from sglang_kdtree.round.spec_logprobs import accepted_rows, reseed_prefill_logprobs, round_logprobs
 
 BS, WIDTH, VOCAB, COLUMNS = 3, 6, 11, 4
 

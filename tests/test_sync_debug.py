@@ -1,4 +1,4 @@
-"""``sglang_kdtree.sync_debug``: what it writes for torch's sync warnings, and that it leaves everything else as it was."""
+"""``sglang_kdtree.server.sync_debug``: what it writes for torch's sync warnings, and that it leaves everything else as it was."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from sglang_kdtree import sync_debug
+from sglang_kdtree.server import sync_debug
 
 
 def _sync_here():

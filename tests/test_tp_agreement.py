@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_kdtree.round_faults import union_over_ranks
-from sglang_kdtree.width_choice import agreed_width
+from sglang_kdtree.round.faults import union_over_ranks
+from sglang_kdtree.round.width_choice import agreed_width
 
 WORLD = 3
 WIDTHS = (32, 16, 64)  # each rank's own choice; rank 0's must win

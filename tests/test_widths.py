@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_kdtree import contract, reference, spec, widths
-from sglang_kdtree.reference_backend import ReferenceBackend
+from sglang_kdtree import contract, reference
+from sglang_kdtree.server import spec
+from sglang_kdtree.round import widths
+from sglang_kdtree.reference.backend import ReferenceBackend
 from sglang_kdtree.state import Geometry, RoundShape
-from sglang_kdtree.width_choice import WidthChooser
+from sglang_kdtree.round.width_choice import WidthChooser
 
 
 def _draft(rng, bs, depth, vocab, ties=False):
@@ -326,7 +328,7 @@ def test_the_device_timer_reuses_its_ring_and_a_retried_rounds_slot():
     """The CUDA timer's bookkeeping, on stand-in events: a round that starts and never stops (it raised and was
     retried) leaves its slot to the next start; a ring with every slot in flight measures nothing; a slot is
     read once its end event has completed, and its time is the events' own."""
-    from sglang_kdtree.width_choice import DeviceTimer
+    from sglang_kdtree.round.width_choice import DeviceTimer
 
     class Event:
         def __init__(self, enable_timing):

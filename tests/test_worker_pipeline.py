@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from sglang_kdtree import reference
-from sglang_kdtree.pipeline import ReferenceBackend, select_backend
+from sglang_kdtree.round.pipeline import ReferenceBackend, select_backend
 from sglang_kdtree.state import RoundShape
 
 

@@ -9,8 +9,10 @@ import types
 import pytest
 import torch
 
-from sglang_kdtree import pipeline, round_faults
-from sglang_kdtree.round_log import RoundMarks
+from sglang_kdtree.round import pipeline
+from sglang_kdtree.round.begin import begin_round
+from sglang_kdtree.round import faults as round_faults
+from sglang_kdtree.round.log import RoundMarks
 from sglang_kdtree.state import RoundShape
 
 
@@ -108,7 +110,7 @@ def test_round_marks_sum_steps_into_their_phases():
 def test_startup_rehearsal_runs_the_rounds_steps_on_either_backend():
     """``rehearse_round`` (the CUDA server's startup rehearsal, two ``pipeline.bookkeeping_round`` calls) runs on
     the reference backend too, so a contract slip in the shared step sequence shows up on CPU."""
-    from sglang_kdtree.prewarm import rehearse_round
+    from sglang_kdtree.server.prewarm import rehearse_round
 
     backend = pipeline.ReferenceBackend("cpu")
     used = rehearse_round(backend, 3, RoundShape(6, 7, 4, 40), device="cpu", hidden_size=16)
@@ -325,7 +327,7 @@ def test_a_round_oom_under_tensor_parallelism_propagates(tmp_path, monkeypatch):
 def test_a_decode_batch_with_a_grammar_is_ended_not_raised(single_rank):
     """The last guard behind admission's grammar refusal: the batch ends (400 for the request with a grammar, 503
     for the others) with the placeholder result, and the worker returns it instead of raising in the scheduler."""
-    from sglang_kdtree import worker as worker_mod
+    from sglang_kdtree.round import worker as worker_mod
 
     worker, batch = _FakeRoundWorker(None), _oom_batch(["plain-0", "grammar-1"])
     for req in batch.reqs:
@@ -343,10 +345,10 @@ def test_a_decode_batch_with_a_grammar_is_ended_not_raised(single_rank):
 
 
 def _round_start_worker():
-    """The part of a ``KDTreeWorker`` that ``_begin_round`` reads."""
+    """The part of a ``KDTreeWorker`` that ``round.begin.begin_round`` reads."""
     from sglang_kdtree.state import Geometry
-    from sglang_kdtree.width_choice import WidthChooser
-    from sglang_kdtree.worker import KDTreeWorker
+    from sglang_kdtree.round.width_choice import WidthChooser
+    from sglang_kdtree.round.worker import KDTreeWorker
 
     worker = object.__new__(KDTreeWorker)
     worker.geometry = Geometry(budget=7, block_size=4, vocab_size=10)
@@ -373,11 +375,11 @@ def test_the_round_takes_its_host_lengths_from_sglang_without_reading_the_device
     """``seq_lens`` on the meta device: any host read of it raises, so the round's start reads none."""
     worker = _round_start_worker()
     batch = _decode_batch(torch.tensor([5, 9, 1], device="meta"), torch.tensor([5, 9, 1]))
-    rnd = worker._begin_round(batch)
+    rnd = begin_round(worker, batch)
     assert rnd.prefix_cpu.tolist() == [5, 9, 1] and rnd.prefix_sum == 15 and rnd.bs == 3
     worker._check_host_lens = True  # the e2e servers' check does read the device
     with pytest.raises(NotImplementedError):
-        worker._begin_round(batch)
+        begin_round(worker, batch)
 
 
 def test_without_published_host_lengths_the_round_plans_with_the_reserved_kv_less_its_window():
@@ -386,7 +388,7 @@ def test_without_published_host_lengths_the_round_plans_with_the_reserved_kv_les
     worker = _round_start_worker()
     assert worker.geometry.kv_reserve == 8
     batch = _decode_batch(torch.tensor([5, 9, 1], device="meta"), None, reserved=torch.tensor([21, 25, 17]))
-    rnd = worker._begin_round(batch)
+    rnd = begin_round(worker, batch)
     assert rnd.prefix_cpu.tolist() == [13, 17, 9] and rnd.prefix_sum == 39
 
 
@@ -405,7 +407,7 @@ def test_the_bound_covers_every_length_one_unprocessed_round_can_reach(seed):
     commits 1..C tokens. The bound from SGLang's own reservation is at least P whatever round k accepted, and the
     round's window P..P+kv_reserve lies inside the reservation."""
     from sglang_kdtree.state import Geometry
-    from sglang_kdtree.verify_input import host_prefix_lens
+    from sglang_kdtree.round.verify_input import host_prefix_lens
 
     gen = torch.Generator().manual_seed(seed)
     for budget, block in ((7, 16), (15, 16), (63, 16), (3, 4)):
@@ -422,7 +424,7 @@ def test_the_bound_covers_every_length_one_unprocessed_round_can_reach(seed):
 
 
 def test_the_host_lengths_check_catches_a_stale_host_copy():
-    from sglang_kdtree.verify_input import host_prefix_lens
+    from sglang_kdtree.round.verify_input import host_prefix_lens
 
     exact = _decode_batch(torch.tensor([5, 9]), torch.tensor([5, 9]), seq_lens_sum=14)
     assert host_prefix_lens(exact, 8, check=True)[1] == 14
@@ -443,7 +445,7 @@ def test_the_overlap_scheduler_does_not_wait_for_host_lengths_when_every_attenti
     (the round plans with its bound); torch_native asks for them."""
     from sglang.srt.managers import overlap_utils
 
-    from sglang_kdtree.worker import KDTreeWorker
+    from sglang_kdtree.round.worker import KDTreeWorker
 
     worker = object.__new__(KDTreeWorker)
     opted_out = types.SimpleNamespace(needs_cpu_seq_lens=False)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sglang_kdtree import reference
-from sglang_kdtree.pipeline import ReferenceBackend, vocab_parallel_topk
+from sglang_kdtree.round.pipeline import ReferenceBackend, vocab_parallel_topk
 
 WORLD = 2
 

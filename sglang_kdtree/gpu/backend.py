@@ -202,7 +202,7 @@ class GpuBackend:
                       min_ps=None) -> torch.Tensor:
         # Rare (a seeded request's prefill token outside deterministic mode): the reference sampler on a
         # host copy keeps one definition of the seeded draw.
-        from sglang_kdtree.reference_backend import ReferenceBackend
+        from sglang_kdtree.reference.backend import ReferenceBackend
 
         return ReferenceBackend(self.device).sample_tokens(logits, temperatures, seeds, seq_lens, top_ks, top_ps,
                                                            min_ps)

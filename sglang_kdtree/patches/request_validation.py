@@ -5,7 +5,7 @@ SGLang symbol wrapped (``HookType.AROUND``, SGLang 0.5.23):
 DFLASH-family algorithm; a returned message aborts just that request with it).
 
 Why: the tree round has no grammar-constrained walk and, at T > 0, samples from ``softmax(logits / T)``
-filtered by top-k, top-p and min-p only (logprobs are served: ``sglang_kdtree/spec_logprobs.py``). Without
+filtered by top-k, top-p and min-p only (logprobs are served: ``sglang_kdtree/round/spec_logprobs.py``). Without
 this check a grammar request would reach the worker, which can only end its whole decode batch
 (``round_faults.ended_grammar_batch``), and the others would be served a different distribution than they asked
 for. Under KDTREE a request is aborted at

@@ -1,4 +1,4 @@
-"""Time the steps of SGLang's scheduler loop when ``KDTREE_HOST_TIMES`` is set (``sglang_kdtree.host_times``).
+"""Time the steps of SGLang's scheduler loop when ``KDTREE_HOST_TIMES`` is set (``sglang_kdtree.server.host_times``).
 
 SGLang symbols wrapped (``HookType.AROUND``, SGLang 0.5.23), only with ``KDTREE_HOST_TIMES`` set:
 ``sglang.srt.managers.scheduler.Scheduler.ingest_requests`` (a pass of the loop starts),
@@ -13,7 +13,7 @@ arguments and result; the only change is the result's ``copy_done``, wrapped so 
 
 from __future__ import annotations
 
-from sglang_kdtree import host_times
+from sglang_kdtree.server import host_times
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 #: Scheduler method -> the loop step it is timed as

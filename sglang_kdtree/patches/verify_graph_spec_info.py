@@ -45,7 +45,7 @@ def _is_kdtree(spec_algorithm) -> bool:
 def tree_verify_input(custom_mask, width: int, ancestor_bits=None):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-    from sglang_kdtree.verify_input import KDTreeVerifyInput
+    from sglang_kdtree.round.verify_input import KDTreeVerifyInput
 
     spec_info = KDTreeVerifyInput(draft_token=None, positions=None, draft_token_num=int(width), topk=2,
                                   custom_mask=custom_mask, capture_hidden_mode=CaptureHiddenMode.FULL)

@@ -63,7 +63,7 @@ VERIFY_WIDTH = 17  # --speculative-num-draft-tokens: 16 tree nodes + the root
 WIDTHS: str | None = None
 #: ``--overlap``: every server on SGLang's overlap scheduler (its default); else all pass --disable-overlap-schedule
 OVERLAP = False
-#: ``--sync-debug``: KDTREE servers write each host sync of a decode round (``sglang_kdtree/sync_debug.py``) instead
+#: ``--sync-debug``: KDTREE servers write each host sync of a decode round (``sglang_kdtree/server/sync_debug.py``) instead
 #: of a round log (whose reads are such syncs, by design)
 SYNC_DEBUG = False
 MAX_RUNNING = 48  # >= NUM_PROMPTS, so every prompt is in flight at once

@@ -1,5 +1,5 @@
 """What a CUDA KDTREE server's log says of the GPU's limits (its ``KDTREE launch limits:`` line, written by
-``sglang_kdtree.prewarm.log_launch_limits``), and whether every KDTREE server of a probe kept within a
+``sglang_kdtree.server.prewarm.log_launch_limits``), and whether every KDTREE server of a probe kept within a
 ``KDTREE_DEVICE_PROFILE`` (``tests/e2e/cuda_servers.py`` reads both)."""
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def test_a_fault_in_one_request_ends_only_that_request(kdtree_server, greedy_res
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in plain[:4]]
 
 
-#: The message of a request ended by an allocation failure of its round (``sglang_kdtree/round_faults.py``).
+#: The message of a request ended by an allocation failure of its round (``sglang_kdtree/round/faults.py``).
 OOM_MESSAGE = "KDTREE round could not allocate memory (OutOfMemoryError: KDTREE test fault round_oom"
 
 
@@ -482,7 +482,7 @@ def test_host_times_split_each_decode_round_by_step_of_the_scheduler_loop(kdtree
     """``KDTREE_HOST_TIMES`` on a real server: SGLang's loop methods are wrapped, each decode pass is timed by step,
     KDTREE's round by its own steps on the host clock, and the file is written when the batch size changes (here: a
     lone request after the concurrent ones)."""
-    from sglang_kdtree import host_times
+    from sglang_kdtree.server import host_times
 
     kdtree_server.generate(_greedy(PROMPTS[0], max_new_tokens=24))
     _concurrent(kdtree_server, [_greedy(p, max_new_tokens=8) for p in PROMPTS[:2]])  # ends the lone one's stretch

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_kdtree import pipeline
+from sglang_kdtree.round import pipeline
 from sglang_kdtree.state import RoundShape
 
 pytestmark = pytest.mark.gpu

@@ -130,7 +130,7 @@ def test_tp_shards_merge_to_unsharded(shards, k, groups):
 def test_topk_peaked_many_rows_published_thresholds(dtype, impl, groups):
     """Many rows of Zipf-like logits: later chunks of a row cut at thresholds published by earlier chunks,
     and the cut must never drop a winner (ids exact for every K)."""
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
 
     topk, _, _ = gpu_modules()
     x = peaked_logits(4, 15, 163840, seed=11)

@@ -179,7 +179,7 @@ def test_topk_histogram_wide_k_bound_and_segments(groups):
     fewer finite values than K; fp32 and bf16, logprobs and TP partials, into poisoned outputs; the
     histograms and bin ranges clean after every call."""
     topk, _, _ = gpu_modules()
-    from sglang_kdtree.bench_gpu import peaked_logits
+    from sglang_kdtree.cli.bench_gpu import peaked_logits
 
     rng = np.random.default_rng(1515)
     v = 163840

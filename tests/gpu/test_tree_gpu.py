@@ -168,7 +168,7 @@ def test_cuda_graph_replay_matches_eager():
     fill(1)
     builder.round(static_logits, budget, roots, seq, seq_sum)  # warm-up: compiles the kernels
     torch.cuda.synchronize()
-    from sglang_kdtree.bench_timing import capture_graph
+    from sglang_kdtree.cli.bench_timing import capture_graph
 
     graph, (g_trees, g_ver) = capture_graph(lambda: builder.round(static_logits, budget, roots, seq, seq_sum))
     for seed in (2, 3):
@@ -195,7 +195,7 @@ def test_dependent_launches_match_plain_launches(monkeypatch):
     same bytes in every output, the reference's tree, and the dependent launches went through cuLaunchKernelEx
     (two per round: the select after the pass, the tree kernel after the select)."""
     _, tree, _ = gpu_modules()
-    from sglang_kdtree.bench_timing import capture_graph
+    from sglang_kdtree.cli.bench_timing import capture_graph
     from sglang_kdtree.gpu import runtime
 
     if not runtime._pdl_runs_here():

@@ -1,6 +1,6 @@
 """GPU part of ``python -m sglang_kdtree bench``: the service's CPU tree path against our GPU path, stage by
 stage, plus SGLang's ``build_tree_kernel_efficient`` for the mask/positions/links step and the top-K
-physical floor. ``python -m sglang_kdtree.bench_gpu`` prints the table on its own.
+physical floor. ``python -m sglang_kdtree.cli.bench_gpu`` prints the table on its own.
 
 CPU path (what a heapq service does): torch top-K + logsumexp on the GPU, copy to host, Python heapq per
 request (``reference.build_tree``), numpy visibility + FULL_MASK (``reference.verify_inputs``), copy back.
@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from sglang_kdtree.bench_timing import capture_graph, copy_bandwidth, cpu_time_us, cuda_time_us, floor_us
+from sglang_kdtree.cli.bench_timing import capture_graph, copy_bandwidth, cpu_time_us, cuda_time_us, floor_us
 
 __all__ = ["run_gpu_bench", "peaked_logits", "format_table"]
 
@@ -239,7 +239,7 @@ def worker_round_fn(bs, budget, depth, vocab, logits, seq, seq_sum, roots, hidde
     the round's end-of-round host read of the error flags."""
     import torch
 
-    from sglang_kdtree.pipeline import GpuBackend, RoundShape, bookkeeping_round
+    from sglang_kdtree.round.pipeline import GpuBackend, RoundShape, bookkeeping_round
 
     width = budget + 1
     backend = GpuBackend("cuda")

@@ -26,7 +26,7 @@ import os
 import time
 from contextlib import contextmanager
 
-from sglang_kdtree.widths import WIDTHS_ENV, parse_widths
+from sglang_kdtree.round.widths import WIDTHS_ENV, parse_widths
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from sglang_kdtree.contract import (AcceptResult, CommitPlan, RoundBackend, Tree
                                     topk_tree_verify, tree_verify)
 from sglang_kdtree.gpu.backend import GpuBackend
 from sglang_kdtree.gpu.verify import full_mask_numel
-from sglang_kdtree.reference_backend import ReferenceBackend
+from sglang_kdtree.reference.backend import ReferenceBackend
 from sglang_kdtree.state import RoundShape
 
 __all__ = ["AcceptResult", "CommitPlan", "GpuBackend", "ReferenceBackend", "RoundBackend", "RoundShape", "Trees",

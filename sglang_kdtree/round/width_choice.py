@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_kdtree.widths import best_width, realised_accepts
+from sglang_kdtree.round.widths import best_width, realised_accepts
 
 #: the variable choosing the policy: ``auto`` (default) or ``cycle``
 POLICY_ENV = "SGLANG_KDTREE_WIDTH_POLICY"

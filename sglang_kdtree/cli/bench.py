@@ -5,7 +5,7 @@ realistic peaked distributions (``synthetic_draft_logits``), for a grid of batch
 
 * CPU-only machine: times the CPU reference pipeline stage by stage (top-K + logsumexp, heap build,
   visibility, mask build, accept) and says plainly that the GPU columns need a GPU.
-* With a GPU: also runs ``sglang_kdtree.bench_gpu.run_gpu_bench`` (the service's CPU-heap path against our
+* With a GPU: also runs ``sglang_kdtree.cli.bench_gpu.run_gpu_bench`` (the service's CPU-heap path against our
   CuPy kernels, from the same run) and prints its table.
 * ``--kimi-round``: instead, the measured model of one Kimi K2.6 decode round at TP 8 (``benchmarks.kimi_round``
   of a source checkout, run from its root; every other option is then its own: ``--kimi-round --help``).
@@ -224,12 +224,12 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"\nGPU table: not run ({reason}). It needs a CUDA GPU with CuPy (cupy-cuda13x).")
         return 0
-    from sglang_kdtree.bench_gpu import format_table as gpu_table
-    from sglang_kdtree.bench_gpu import run_gpu_bench
+    from sglang_kdtree.cli.bench_gpu import format_table as gpu_table
+    from sglang_kdtree.cli.bench_gpu import run_gpu_bench
 
     print("\nService CPU path (torch top-K on the GPU, host heapq, numpy mask) vs our GPU kernels, same run. Each "
           "figure: a median (GPU stages: CUDA events, 20 runs after 3 warm-up; host stages: 3 runs; see "
-          "sglang_kdtree.bench_gpu.run_gpu_bench):")
+          "sglang_kdtree.cli.bench_gpu.run_gpu_bench):")
     gpu_rows = run_gpu_bench(
         args.batches, args.budgets, args.depths, args.vocab,
         progress=lambda row: progress(f"GPU: batch {row['batch']}, budget {row['budget']} done"),

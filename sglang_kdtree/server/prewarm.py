@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from sglang_kdtree.pipeline import bookkeeping_round
-from sglang_kdtree.spec_logprobs import round_logprobs_bytes
+from sglang_kdtree.round.pipeline import bookkeeping_round
+from sglang_kdtree.round.spec_logprobs import round_logprobs_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from sglang_kdtree.state import (DEFAULT_BUDGET, DEFAULT_VERIFY_WIDTH, MAX_BLOCK_SIZE, MAX_BUDGET, MAX_WIDTH,
                                  MIN_BLOCK_SIZE)
-from sglang_kdtree.width_choice import POLICIES, POLICY_ENV
-from sglang_kdtree.widths import WIDTHS_ENV, parse_widths
+from sglang_kdtree.round.width_choice import POLICIES, POLICY_ENV
+from sglang_kdtree.round.widths import WIDTHS_ENV, parse_widths
 
 if TYPE_CHECKING:
     from sglang_kdtree.gpu.limits import DeviceLimits
@@ -159,7 +159,7 @@ def _draft_depths(sa) -> int | None:
     block = sa.speculative_dflash_block_size
     if block is None and sa.speculative_draft_model_path:
         try:
-            from sglang_kdtree.worker import _read_draft_block_size
+            from sglang_kdtree.round.worker import _read_draft_block_size
 
             block = _read_draft_block_size(sa)
         except Exception:  # a remote id or a drafter the worker will report on

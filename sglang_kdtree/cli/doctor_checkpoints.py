@@ -1,7 +1,7 @@
 """``doctor`` check 7: the ``--model-path`` / ``--speculative-draft-model-path`` checkpoints.
 
 The paths exist, the target's architecture is one SGLang's DFlash drafter can serve under DDTree, and the
-drafter's block size is in the range DDTree supports. ``sglang_kdtree.doctor`` runs these and re-exports them;
+drafter's block size is in the range DDTree supports. ``sglang_kdtree.cli.doctor`` runs these and re-exports them;
 this module imports nothing from it (the report and the SGLang pin come from ``doctor_install``).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sglang_kdtree.doctor_install import Report, sglang_pin
+from sglang_kdtree.cli.doctor_install import Report, sglang_pin
 
 
 def _read_json(path: Path) -> dict:
@@ -83,7 +83,7 @@ def check_target(report: Report, model_path: str, trust_remote_code: bool) -> in
 
 
 def check_drafter(report: Report, draft_path: str, block_size: int | None, target_layers: int | None) -> bool:
-    from sglang_kdtree import spec
+    from sglang_kdtree.server import spec
     path = _local_checkpoint(report, "--speculative-draft-model-path", draft_path,
                              "pass the DFlash drafter checkpoint's directory",
                              "pass the directory of the DFlash drafter checkpoint")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.utils.common import async_h2d
 
-from sglang_kdtree.spec_logprobs import reseed_prefill_logprobs
+from sglang_kdtree.round.spec_logprobs import reseed_prefill_logprobs
 
 
 def per_request(values):

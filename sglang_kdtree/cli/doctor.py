@@ -43,11 +43,11 @@ import time
 import traceback
 from pathlib import Path
 
-from sglang_kdtree.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
-from sglang_kdtree.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
+from sglang_kdtree.cli.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
+from sglang_kdtree.cli.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
                                           check_sglang_version, quiet_imports, sglang_pin)
-from sglang_kdtree.doctor_launch import check_launch_command
-from sglang_kdtree.doctor_limits import check_launch_configurations
+from sglang_kdtree.cli.doctor_launch import check_launch_command
+from sglang_kdtree.cli.doctor_limits import check_launch_configurations
 from sglang_kdtree.gpu.limits import ARCHS, for_arch
 
 #: NVRTC options of ``sglang_kdtree.gpu.runtime.load_module`` (the include path is added per call).
@@ -138,7 +138,7 @@ def check_plugin(report: Report) -> list[logging.LogRecord] | None:
     try:
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        from sglang_kdtree import spec
+        from sglang_kdtree.server import spec
 
         algo = SpeculativeAlgorithm.from_string("kdtree")
         if not isinstance(algo, spec.KDTreeSpec):
@@ -373,7 +373,7 @@ def _arch(text: str) -> str:
 def judged_limits(report: Report, arch: str):
     """The GPU checks 6 and 8 judge for (``spec.device_limits``: this GPU, or ``arch`` without one), reported in
     one line; None when it cannot be told (the reason is reported)."""
-    from sglang_kdtree.spec import device_limits
+    from sglang_kdtree.server.spec import device_limits
 
     try:
         limits = device_limits(arch)

@@ -6,7 +6,7 @@ a kernel that compiles but asks for more than the GPU allows fails here."""
 
 from __future__ import annotations
 
-from sglang_kdtree.doctor_install import Report
+from sglang_kdtree.cli.doctor_install import Report
 from sglang_kdtree.gpu.limits import DeviceLimits
 
 

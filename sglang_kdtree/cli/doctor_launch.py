@@ -25,7 +25,8 @@ def launch_args_problem(argv: list[str], limits: "DeviceLimits | None" = None) -
     the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_kdtree import spec, state
+    from sglang_kdtree import state
+    from sglang_kdtree.server import spec
 
     parser = argparse.ArgumentParser(prog="sglang serve")
     ServerArgs.add_cli_args(parser)
