@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU round's bookkeeping part by part on the H200 (benchmarks/round_parts.py), then ncu on the top-K at
-# batch 1 and 32 (device/device_ncu.sh). Carry .dev-carry (device/device_carry.py) for SGLang's wheels:
+# The GPU round's bookkeeping part by part on the H200 (benchmarks/round_parts.py). Carry .dev-carry
+# (device/device_carry.py) for SGLang's wheels:
 #   run(command="bash device/device_parts.sh", carry=[".dev-carry"])
-# Knobs: BATCHES ("1 8 32"), NCU_BS ("1 32"; empty: no ncu), UNIT_TESTS (pytest args run first, e.g.
+# Knobs: BATCHES ("1 8 32"), UNIT_TESTS (pytest args run first, e.g.
 # "tests/gpu/test_tree_gpu.py"), AB (extra round_parts runs, e.g. "SGLANG_KDTREE_TOPK_IMPL=cut"), AB_COMMIT (a
 # commit whose kernels and launchers round_parts also times, from a git worktree, in the same call).
 set -uo pipefail
@@ -30,8 +30,4 @@ for ab in ${AB:-}; do
   # shellcheck disable=SC2086
   timeout 240 env "$ab" python3 benchmarks/round_parts.py --batches ${BATCHES:-1 8 32} > "$OUT/parts_${ab//[^A-Za-z0-9]/_}.log" 2>&1
 done
-for bs in ${NCU_BS-1 32}; do
-  BS=$bs OUT=$OUT timeout 200 bash device/device_ncu.sh > "$OUT/ncu_$bs.summary" 2>&1
-done
-for f in "$OUT"/ncu_*.summary; do [ -f "$f" ] && { echo "== $f"; grep -E "hist_|topk_|Duration|DRAM Thr|Compute \(SM\)" "$f" | head -16; }; done
 for f in "$OUT"/parts*.log; do echo "== $f"; tail -8 "$f"; done

@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Top-K + lse pipelines on the H200: exactness tests (tree construction file + boundary), A/B timings of the
-# top-K stage (histogram vs cut pipeline, plus an NVRTC option set AB_VARIANT and an older launcher module
-# AB_OLD when given; graph replay + eager), and the round at budget 64 with the CPU path for each pipeline
-# (SGLANG_KDTREE_TOPK_IMPL). Logs land in $OUT.
+# Top-K + lse pipelines on the H200: exactness tests (tree construction file + boundary) and the round at
+# budget 64 with the CPU path for each pipeline (SGLANG_KDTREE_TOPK_IMPL). Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -12,9 +10,6 @@ timeout "${TEST_TIMEOUT:-85}" python3 -m pytest -q -p no:cacheprovider tests/gpu
   tests/gpu/test_topk_histogram_gpu.py tests/gpu/test_tree_gpu.py tests/gpu/test_tree_verify_gpu.py \
   tests/test_tree_gpu_boundary.py > "$OUT/tests.log" 2>&1; echo "tests rc=$?" | tee -a "$OUT/tests.log"
 grep -E "passed|failed|Error|error|assert" "$OUT/tests.log" | tail -25
-timeout "${AB_TIMEOUT:-50}" python3 benchmarks/topk_ab.py --impls histogram cut \
-  ${AB_VARIANT:+--variant="$AB_VARIANT"} ${AB_OLD:+--old "$AB_OLD"} --json "$OUT/topk_ab.json" > "$OUT/topk_ab.log" 2>&1
-echo "topk_ab rc=$?"; grep -v '^{' "$OUT/topk_ab.log" | tail -20
 for impl in histogram cut; do
   SGLANG_KDTREE_TOPK_IMPL=$impl timeout "${BENCH_TIMEOUT:-22}" python3 -m sglang_kdtree.cli.bench_gpu --batches 32 \
     --budgets 64 --json "$OUT/bench_$impl.json" > "$OUT/bench_$impl.log" 2>&1

@@ -186,7 +186,7 @@ def _row(**ms):
 def test_the_table_has_rows_by_batch_then_server_and_extra_columns_last():
     found = {"plain": {"4": dict(_row(period=3.0), loop_ms=1.0), "1": dict(_row(period=2.0), loop_ms=0.5)},
              "kdtree-overlap": {"1": dict(_row(period=9.0, worker=7.0), loop_ms=2.0)}}
-    lines = host_times.format_table(found, extra=("loop",)).splitlines()  # as benchmarks/host_loop_cpu.py prints it
+    lines = host_times.format_table(found, extra=("loop",)).splitlines()  # as the host-loop bench printed it
     assert ([line.split(" | ")[:2] for line in lines[2:]]
             == [["| 1", "plain"], ["| 1", "kdtree-overlap"], ["| 4", "plain"]])
     assert lines[3].startswith("| 1 | kdtree-overlap | 10 | 9.000 |") and lines[3].endswith("| 2.000 |")

@@ -46,7 +46,7 @@ _ACCEPT_THREADS_LOGITS = 1024
 _GREEDY_CLUSTER = 8
 #: its threads per block, at most the kernel's launch bound (GREEDY_THREADS, 512): 384 up to batch 16, 256 above,
 #: where smaller blocks let more of the batch's clusters be resident at once (about a fifth faster than 512 threads
-#: at batch 32, no slower at batch 1: benchmarks/accept_sweep.py)
+#: at batch 32, no slower at batch 1: benchmarks/accept_sweep.py, in RESULTS-archive.md)
 _GREEDY_SMALL_BATCH = 16
 _GREEDY_THREADS_SMALL, _GREEDY_THREADS_LARGE = 384, 256
 

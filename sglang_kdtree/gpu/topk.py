@@ -58,7 +58,7 @@ HIST_CAP = 8192  # candidates (bin >= the boundary bin) a row may collect; more 
 #: fixed work paid once per 16384 columns) when the one-group grid would have at least this many blocks (rows x
 #: 8192-column chunks); fewer blocks keep the 8192-column chunks, whose larger grid fills the GPU at small batch.
 #: Two groups are 5-10 % faster from batch 32 up (9600 blocks at K 64, vocab 163,840, 15 rows per request) and
-#: slower at batch 16 (4800 blocks) and below (benchmarks/topk_groups.py reproduces the comparison).
+#: slower at batch 16 (4800 blocks) and below (the comparison: benchmarks/topk_groups.py, in RESULTS-archive.md).
 #: SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS overrides it (A/B benchmarks; 0: always, a huge value: never).
 HIST_G2_MIN_BLOCKS = int(os.environ.get("SGLANG_KDTREE_TOPK_G2_MIN_BLOCKS", "6000"))
 
