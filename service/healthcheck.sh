@@ -43,6 +43,7 @@ done
 
 if [[ -z $url ]]; then
     kdtree_load_env_file "$env_file"
+    kdtree_report_problems
     url=$(kdtree_health_base_url)
     timeout_s=${timeout_s:-${KDTREE_HEALTH_TIMEOUT_S:-}}
 fi

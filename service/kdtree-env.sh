@@ -23,11 +23,31 @@ kdtree_note() {
     printf '%s: %s\n' "${0##*/}" "$*" >&2
 }
 
+# Problems of an env file are collected, not fatal one by one, so that one run reports all of them (as the
+# plugin's startup refusals do) and the operator fixes the file in one pass. kdtree_problem records one (one
+# line, no newline); kdtree_report_problems prints each as an error line and exits 1 if there is any.
+kdtree_problems=()
+kdtree_problem() {
+    kdtree_problems+=("${*//$'\n'/ | }")
+}
+kdtree_report_problems() {
+    local problem
+    if ((${#kdtree_problems[@]})); then
+        for problem in "${kdtree_problems[@]}"; do
+            printf '%s: error: %s\n' "${0##*/}" "$problem" >&2
+        done
+        exit 1
+    fi
+}
+
 # kdtree_load_env_file FILE: export every KEY=VALUE line of FILE.
 # The syntax is the subset that systemd's EnvironmentFile= and a POSIX shell read alike: blank lines and
 # lines starting with '#' or ';' are skipped, one layer of matching single or double quotes around the value
-# is removed, nothing is expanded (no $VAR, no backslash escapes). Anything else is refused with its line
-# number, because a silently misread line would start the server with the wrong model or budget.
+# is removed, nothing is expanded (no $VAR, no backslash escapes). Anything else is a problem (kdtree_problem)
+# naming its line number, because a silently misread line would start the server with the wrong model or
+# budget; the caller reports them (kdtree_report_problems). A refused line's key, where one can be read, goes to
+# kdtree_refused_keys, so that the caller's checks do not report it a second time as unset.
+kdtree_refused_keys=()
 kdtree_load_env_file() {
     local file=$1 line key value lineno=0
     [[ -f $file ]] || kdtree_die "environment file '$file' does not exist (copy service/sglang-k26-ddtree.env.example and edit it)"
@@ -39,9 +59,14 @@ kdtree_load_env_file() {
         line=${line#"${line%%[![:space:]]*}"}
         line=${line%"${line##*[![:space:]]}"}
         [[ -z $line || $line == \#* || $line == \;* ]] && continue
-        [[ $line == export\ * ]] && kdtree_die "$file:$lineno: drop the 'export' keyword (systemd does not accept it)"
+        if [[ $line =~ ^export[[:space:]]+([A-Za-z_][A-Za-z0-9_]*)= ]]; then
+            kdtree_refused_keys+=("${BASH_REMATCH[1]}")
+            kdtree_problem "$file:$lineno: drop the 'export' keyword (systemd does not accept it)"
+            continue
+        fi
         if [[ ! $line =~ ^([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]]; then
-            kdtree_die "$file:$lineno: expected KEY=VALUE, got '$line'"
+            kdtree_problem "$file:$lineno: expected KEY=VALUE, got '$line'"
+            continue
         fi
         key=${BASH_REMATCH[1]}
         value=${BASH_REMATCH[2]}
@@ -49,7 +74,9 @@ kdtree_load_env_file() {
             value=${value:1:${#value}-2}
         fi
         if [[ $value == *\$* || $value == *\\* ]]; then
-            kdtree_die "$file:$lineno: '$key' contains '\$' or '\\'; systemd and the shell would read it differently, use a literal value"
+            kdtree_refused_keys+=("$key")
+            kdtree_problem "$file:$lineno: '$key' contains '\$' or '\\'; systemd and the shell would read it differently, use a literal value"
+            continue
         fi
         export "$key=$value"
     done <"$file"
@@ -84,20 +111,34 @@ kdtree_is_uint() {
     [[ $1 =~ ^[1-9][0-9]{0,6}$ ]] && (($1 <= $2))
 }
 
-# kdtree_visible_gpus: print how many GPUs the server would see.
+# kdtree_count_visible_gpus: set kdtree_visible_gpus to how many GPUs the server would see, or record a problem
+# (kdtree_problem) and return 1 when they cannot be counted.
 # GPU_COUNT_CMD (a shell command printing one integer) replaces nvidia-smi, for tests and for hosts where
 # nvidia-smi is elsewhere. CUDA_VISIBLE_DEVICES, when set (also to an empty string), narrows the count.
-kdtree_visible_gpus() {
+kdtree_visible_gpus=""
+kdtree_count_visible_gpus() {
     local physical out
+    kdtree_visible_gpus=""
     if [[ -n ${GPU_COUNT_CMD:-} ]]; then
-        out=$(timeout 60 bash -c "$GPU_COUNT_CMD") || kdtree_die "GPU_COUNT_CMD '$GPU_COUNT_CMD' failed"
+        if ! out=$(timeout 60 bash -c "$GPU_COUNT_CMD"); then
+            kdtree_problem "GPU_COUNT_CMD '$GPU_COUNT_CMD' failed"
+            return 1
+        fi
         out=${out//[[:space:]]/}
-        [[ $out =~ ^[0-9]+$ ]] || kdtree_die "GPU_COUNT_CMD '$GPU_COUNT_CMD' printed '$out', expected one integer"
+        if [[ ! $out =~ ^[0-9]+$ ]]; then
+            kdtree_problem "GPU_COUNT_CMD '$GPU_COUNT_CMD' printed '$out', expected one integer"
+            return 1
+        fi
         physical=$out
     else
-        command -v nvidia-smi >/dev/null 2>&1 ||
-            kdtree_die "cannot count GPUs: nvidia-smi is not on PATH (set GPU_COUNT_CMD to a command that prints the GPU count)"
-        out=$(timeout 60 nvidia-smi -L) || kdtree_die "'nvidia-smi -L' failed; is the NVIDIA driver loaded?"
+        if ! command -v nvidia-smi >/dev/null 2>&1; then
+            kdtree_problem "cannot count GPUs: nvidia-smi is not on PATH (set GPU_COUNT_CMD to a command that prints the GPU count)"
+            return 1
+        fi
+        if ! out=$(timeout 60 nvidia-smi -L); then
+            kdtree_problem "'nvidia-smi -L' failed; is the NVIDIA driver loaded?"
+            return 1
+        fi
         physical=$(grep -c '^GPU ' <<<"$out" || true)
     fi
     if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
@@ -109,23 +150,28 @@ kdtree_visible_gpus() {
         done
         ((listed < physical)) && physical=$listed
     fi
-    printf '%s\n' "$physical"
+    kdtree_visible_gpus=$physical
 }
 
-# kdtree_compute_caps: print the distinct compute capabilities of the GPUs ("12.0", "9.0"), one per line, or
-# nothing when they cannot be read here (then the caller does not judge the backend by them).
-# GPU_COMPUTE_CAP_CMD (a shell command printing one capability per line) replaces nvidia-smi's query.
-kdtree_compute_caps() {
+# kdtree_read_compute_caps: set kdtree_compute_caps to the distinct compute capabilities of the GPUs ("12.0",
+# "9.0"), one per line, or to nothing when they cannot be read here (then the caller does not judge the backend
+# by them). GPU_COMPUTE_CAP_CMD (a shell command printing one capability per line) replaces nvidia-smi's query;
+# when it fails, a problem is recorded (kdtree_problem) and the function returns 1.
+kdtree_compute_caps=""
+kdtree_read_compute_caps() {
     local out
+    kdtree_compute_caps=""
     if [[ -n ${GPU_COMPUTE_CAP_CMD:-} ]]; then
-        out=$(timeout 60 bash -c "$GPU_COMPUTE_CAP_CMD") ||
-            kdtree_die "GPU_COMPUTE_CAP_CMD '$GPU_COMPUTE_CAP_CMD' failed"
+        if ! out=$(timeout 60 bash -c "$GPU_COMPUTE_CAP_CMD"); then
+            kdtree_problem "GPU_COMPUTE_CAP_CMD '$GPU_COMPUTE_CAP_CMD' failed"
+            return 1
+        fi
     elif command -v nvidia-smi >/dev/null 2>&1; then
         out=$(timeout 60 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null) || return 0
     else
         return 0
     fi
-    sed -nE 's/^[[:space:]]*([0-9]+\.[0-9]+).*/\1/p' <<<"$out" | sort -u
+    kdtree_compute_caps=$(sed -nE 's/^[[:space:]]*([0-9]+\.[0-9]+).*/\1/p' <<<"$out" | sort -u)
 }
 
 # kdtree_health_base_url: the URL a local client uses to reach KDTREE_HOST:KDTREE_PORT. A wildcard bind

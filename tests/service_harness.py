@@ -149,7 +149,8 @@ def systemctl_calls(log: Path) -> list[str]:
 
 
 def make_site(tmp_path: Path, **overrides) -> dict:
-    """Model and drafter directories, a fake Python and the env settings pointing at them."""
+    """Model and drafter directories, a fake Python and the env settings pointing at them. A setting whose value
+    is None is left out of the env file (write_env)."""
     model = tmp_path / "models" / "Kimi-K2.6-INT4"
     drafter = tmp_path / "models" / "Kimi-K2.6-DFlash"
     for path, config in ((model, {"kv_lora_rank": 512, "model_type": "kimi_k2"}), (drafter, {"block_size": 16})):
@@ -160,7 +161,7 @@ def make_site(tmp_path: Path, **overrides) -> dict:
         "KDTREE_MODEL_PATH": str(model),
         "KDTREE_DRAFT_MODEL_PATH": str(drafter),
         "KDTREE_TP_SIZE": "8",
-        "KDTREE_BUDGET": "64",
+        "KDTREE_BUDGET": None,  # unset, as in the env example: the plugin's automatic verify widths
         "KDTREE_DFLASH_BLOCK_SIZE": "",
         "KDTREE_ATTENTION_BACKEND": "fa3",
         "KDTREE_HOST": "0.0.0.0",

@@ -21,6 +21,7 @@ import pytest
 from service_harness import (
     ENV_PATH,
     LIBEXEC,
+    REPO,
     SCRIPTS,
     SERVICE,
     UNIT_FILE,
@@ -33,6 +34,7 @@ from service_harness import (
     run_healthcheck,
     run_script,
     write_env,
+    write_executable,
 )
 
 
@@ -117,7 +119,6 @@ def test_launch_prints_the_production_command(tmp_path):
         "--tp", "8",
         "--speculative-algorithm", "kdtree",
         "--speculative-draft-model-path", site["KDTREE_DRAFT_MODEL_PATH"],
-        "--speculative-num-draft-tokens", "65",
         "--attention-backend", "fa3",
         "--page-size", "1",
         "--trust-remote-code",
@@ -126,26 +127,84 @@ def test_launch_prints_the_production_command(tmp_path):
     ]  # fmt: skip
 
 
-def test_launch_reads_the_example_env_file(tmp_path):
-    site = make_site(tmp_path)
+def readme_box_launch() -> tuple[dict[str, str], list[tuple[str, str | None]]]:
+    """The top README's recommended launch for the RTX PRO 6000 box (its first launch_server block with
+    ``--attention-backend triton``): the environment it sets and its launch_server flags as (flag, value) pairs."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    block = next(b for b in blocks if "sglang.launch_server" in b and "--attention-backend triton" in b)
+    words = shlex.split(block.replace("\\\n", " "))
+    env = {}
+    while re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return env, server_flags(words)
+
+
+def server_flags(argv: list[str]) -> list[tuple[str, str | None]]:
+    """launch_server's flags in ``argv`` (after ``-m sglang.launch_server``) as sorted (flag, value) pairs."""
+    args = argv[argv.index("sglang.launch_server") + 1 :]
+    pairs = []
+    for i, word in enumerate(args):
+        if word.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            pairs.append((word, value))
+    return sorted(pairs)
+
+
+def example_env_file(tmp_path: Path, site: dict) -> Path:
+    """service/sglang-k26-ddtree.env.example unchanged but for its paths, pointed at this test's site."""
     example = (SERVICE / "sglang-k26-ddtree.env.example").read_text()
-    example = (
+    env_file = tmp_path / "example.env"
+    env_file.write_text(
         example.replace("/opt/sglang-kdtree/venv/bin/python", site["KDTREE_PYTHON"])
         .replace("/models/Kimi-K2.6-INT4", site["KDTREE_MODEL_PATH"])
         .replace("/models/Kimi-K2.6-DFlash", site["KDTREE_DRAFT_MODEL_PATH"])
     )
-    env_file = tmp_path / "example.env"
-    env_file.write_text(example)
-    result = run_script("launch.sh", "--env-file", env_file, "--print")
+    return env_file
+
+
+def test_the_env_example_prints_the_readmes_recommended_launch(tmp_path):
+    """`launch.sh --env-file <the example> --print` on the box (compute capability 12.0) prints the top README's
+    recommended launch: no --speculative-num-draft-tokens (the automatic widths), triton, the memory flags; and the
+    server it execs gets the README's environment (SGLANG_KDTREE_MOE=marlin)."""
+    site = make_site(tmp_path)
+    env_file = example_env_file(tmp_path, site)
+    readme_env, readme_flags = readme_box_launch()
+    assert readme_env == {"SGLANG_KDTREE_MOE": "marlin"}, readme_env
+    assert "--speculative-num-draft-tokens" not in dict(readme_flags)
+
+    result = run_script("launch.sh", "--env-file", env_file, "--print", GPU_COMPUTE_CAP_CMD="echo 12.0")
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
-    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "65"
-    assert argv[argv.index("--attention-backend") + 1] == "triton"
-    assert "--speculative-dflash-block-size" not in argv  # empty: the drafter's own block size
-    # the box's memory sizing (docs/sm120.md) travels in KDTREE_EXTRA_ARGS
-    assert argv[-11:] == ["--trust-remote-code", "--mem-fraction-static", "0.85", "--max-running-requests", "32",
-                          "--cuda-graph-max-bs-decode", "32", "--host", "0.0.0.0", "--port", "30000"]
+    assert argv[:3] == [site["KDTREE_PYTHON"], "-m", "sglang.launch_server"]
+    paths = {"--model-path": site["KDTREE_MODEL_PATH"], "--speculative-draft-model-path": site["KDTREE_DRAFT_MODEL_PATH"]}
+    expected = sorted((flag, paths.get(flag, value)) for flag, value in readme_flags)
+    assert server_flags(argv) == expected
+    assert "--speculative-num-draft-tokens" not in argv and "--speculative-dflash-block-size" not in argv
     assert "--disable-overlap-schedule" not in argv  # SGLang's overlap scheduler, its default
+
+    # The server's environment: every line of the env file is exported to it, the README's variables included.
+    env_dump = tmp_path / "server.env"
+    python = write_executable(tmp_path / "env-python", f"#!/bin/sh\nenv > '{env_dump}'\n")
+    env_file.write_text(env_file.read_text().replace(site["KDTREE_PYTHON"], str(python)))
+    clean = {key: "" for key in readme_env}  # the test's own environment must not supply them
+    result = run_script("launch.sh", "--env-file", env_file, GPU_COMPUTE_CAP_CMD="echo 12.0", **clean)
+    assert result.returncode == 0, result.stderr
+    server_env = dict(line.split("=", 1) for line in env_dump.read_text().splitlines() if "=" in line)
+    for key, value in readme_env.items():
+        assert server_env.get(key) == value, key
+    assert server_env.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_the_env_example_leaves_the_budget_unset_and_says_how_to_pin_it():
+    example = (SERVICE / "sglang-k26-ddtree.env.example").read_text()
+    assert not re.search(r"^\s*KDTREE_BUDGET=", example, re.M), "the example must leave KDTREE_BUDGET unset"
+    assert re.search(r"^#\s*KDTREE_BUDGET=\d+$", example, re.M), "the example shows how to pin a width"
+    flat = " ".join(line.lstrip("# ") for line in example.splitlines())
+    # the cost of pinning is stated, as the projection it is
+    assert "0.71x" in flat and "0.49x" in flat and "benchmarks/kimi_round.py" in flat and "not measurements" in flat
+    lines = example.splitlines()
+    assert "KDTREE_ATTENTION_BACKEND=triton" in lines and "SGLANG_KDTREE_MOE=marlin" in lines
 
 
 def test_env_example_python_is_the_venv_that_the_readme_creates():
@@ -165,14 +224,17 @@ def test_env_example_python_is_the_venv_that_the_readme_creates():
 
 @pytest.mark.parametrize(
     ("budget", "block_size", "expected_width"),
-    [("1", "", "2"), ("1024", "", "1025"), ("63", "16", "64")],
+    [("1", "", "2"), ("1024", "", "1025"), ("63", "16", "64"), (None, "", None), ("", "8", None)],
 )
 def test_launch_maps_budget_and_block_size(tmp_path, budget, block_size, expected_width):
     site = make_site(tmp_path, KDTREE_BUDGET=budget, KDTREE_DFLASH_BLOCK_SIZE=block_size)
     result = run_script("launch.sh", "--env-file", write_env(tmp_path / "s.env", site), "--print")
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
-    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == expected_width
+    if expected_width is None:  # unset or empty: no width pinned, the plugin's automatic widths
+        assert "--speculative-num-draft-tokens" not in argv
+    else:
+        assert argv[argv.index("--speculative-num-draft-tokens") + 1] == expected_width
     if block_size:
         assert argv[argv.index("--speculative-dflash-block-size") + 1] == block_size
     else:
@@ -191,6 +253,7 @@ def test_launch_maps_budget_and_block_size(tmp_path, budget, block_size, expecte
         ({"KDTREE_BUDGET": "0"}, "8", "KDTREE_BUDGET '0' must be an integer in 1..1024"),
         ({"KDTREE_BUDGET": "1025"}, "8", "KDTREE_BUDGET '1025'"),
         ({"KDTREE_BUDGET": "064"}, "8", "KDTREE_BUDGET '064'"),
+        ({"KDTREE_BUDGET": "auto"}, "8", "KDTREE_BUDGET 'auto' must be an integer in 1..1024 (or unset for the"),
         ({"KDTREE_DFLASH_BLOCK_SIZE": "64"}, "8", "KDTREE_DFLASH_BLOCK_SIZE '64' must be an integer in 2..32"),
         ({"KDTREE_PORT": "70000"}, "8", "KDTREE_PORT '70000'"),
         ({"KDTREE_EXTRA_ARGS": '"--page-size 16"'}, "8", "KDTREE_EXTRA_ARGS repeats '--page-size'"),
@@ -206,6 +269,39 @@ def test_launch_refuses_a_bad_site(tmp_path, overrides, gpus, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert result.stdout == ""
+
+
+def test_launch_lists_every_problem_of_a_broken_env_file_in_one_run(tmp_path):
+    """Several bad values and bad lines: one run reports each, one error line apiece, exits 1 and prints no
+    command. A key whose line the parser refused is reported at its line, not again as unset."""
+    site = make_site(tmp_path, KDTREE_MODEL_PATH="/nonexistent/model", KDTREE_BUDGET="0",
+                     KDTREE_DFLASH_BLOCK_SIZE="64", KDTREE_ATTENTION_BACKEND="flashmla", KDTREE_PORT="70000",
+                     KDTREE_EXTRA_ARGS='"--trust-remote-code --page-size 16"', KDTREE_HOST=None,
+                     KDTREE_TP_SIZE=None)  # fmt: skip
+    env_file = write_env(tmp_path / "s.env", site)
+    env_file.write_text(env_file.read_text() + "KDTREE_TP_SIZE=$TP\nexport HF_HUB_OFFLINE=1\nnot a setting\n")
+    lines = len(env_file.read_text().splitlines())
+    result = run_script("launch.sh", "--env-file", env_file, "--print", GPU_COUNT_CMD="echo 4")
+    assert result.returncode == 1 and result.stdout == ""
+    expected = [
+        f"s.env:{lines - 2}: 'KDTREE_TP_SIZE' contains '$' or '\\'",
+        f"s.env:{lines - 1}: drop the 'export' keyword",
+        f"s.env:{lines}: expected KEY=VALUE, got 'not a setting'",
+        "KDTREE_MODEL_PATH '/nonexistent/model' is not a directory",
+        "KDTREE_BUDGET '0' must be an integer in 1..1024",
+        "KDTREE_DFLASH_BLOCK_SIZE '64' must be an integer in 2..32",
+        "KDTREE_ATTENTION_BACKEND 'flashmla' cannot verify a tree",
+        "KDTREE_HOST is not set",
+        "KDTREE_PORT '70000' must be an integer in 1..65535",
+        "KDTREE_EXTRA_ARGS repeats '--page-size'",
+    ]
+    errors = result.stderr.splitlines()
+    assert all(line.startswith("launch.sh: error: ") for line in errors), result.stderr
+    assert len(errors) == len(expected), result.stderr
+    for message in expected:
+        assert sum(message in line for line in errors) == 1, f"{message!r} not reported once:\n{result.stderr}"
+    # The TP line was refused, so TP_SIZE is neither reported unset nor compared with the 4 visible GPUs.
+    assert "KDTREE_TP_SIZE is not set" not in result.stderr and "GPU(s) are visible" not in result.stderr
 
 
 def test_launch_accepts_flashinfer_for_an_mha_model(tmp_path):

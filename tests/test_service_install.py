@@ -73,7 +73,7 @@ def test_install_dry_run_changes_nothing(tmp_path):
     assert f"replace {root}{UNIT_PATH}" in out and f"replace {root}{ENV_PATH}" in out
     assert f"create  {root}{LIBEXEC}/launch.sh (mode 0755)" in out
     assert "-ExecStart=/opt/ddtree/bin/python" in out  # the unit diff is shown
-    assert "+KDTREE_BUDGET=64" in out  # and the env diff
+    assert "+KDTREE_TP_SIZE=8" in out  # and the env diff
     assert f"restart {UNIT_NAME}" in out and "dry run: nothing was changed" in out
 
 
@@ -246,6 +246,27 @@ def test_preflight_failure_stops_the_install_and_launch_print_refuses_it_too(tmp
         assert message in shown.stderr, shown.stderr
 
 
+def test_preflight_lists_every_problem_of_the_env_file(tmp_path):
+    """An env file with several problems: the install's preflight shows each of them as a FAIL line (launch.sh
+    reports them all in one run) and changes nothing."""
+    root = old_root(tmp_path)
+    systemctl, log = fake_systemctl(tmp_path)
+    site = make_site(tmp_path, KDTREE_MODEL_PATH="/nonexistent/Kimi-K2.6-INT4", KDTREE_BUDGET="2048",
+                     KDTREE_PORT="0")  # fmt: skip
+    env_file = write_env(tmp_path / "site.env", site)
+    before = snapshot(root)
+    result = install(root, env_file, "--dry-run", systemctl=systemctl, GPU_COUNT_CMD="echo 2")
+    assert result.returncode != 0
+    fails = [line for line in result.stderr.splitlines() if line.startswith("  FAIL ")]
+    for message in ("KDTREE_MODEL_PATH '/nonexistent/Kimi-K2.6-INT4' is not a directory",
+                    "KDTREE_TP_SIZE=8 but only 2 GPU(s) are visible", "KDTREE_BUDGET '2048'", "KDTREE_PORT '0'"):
+        assert sum(message in line for line in fails) == 1, result.stderr
+    assert len(fails) == 4, result.stderr
+    assert "preflight failed; nothing was changed" in result.stderr
+    assert snapshot(root) == before
+    assert systemctl_calls(log) == []
+
+
 def test_launch_print_refuses_what_install_refuses_with_the_real_python(tmp_path):
     """With this environment's Python (SGLang and the plugin installed): an env file with
     --speculative-eagle-topk 8, which the server refuses at startup, is refused by `launch.sh --print` and by the
@@ -281,7 +302,7 @@ def test_readme_steps_work_as_written_in_a_scratch_root(tmp_path):
     from this checkout, doctor, `launch.sh --print`, the dry run, the install (restart and healthcheck), the check
     and the rollback; and the wheel route of step 1 into a second venv. What is changed to run here, and only
     that: paths under / move under the scratch root (install.sh and rollback.sh get --root); `sudo` is dropped;
-    python3.12 / python3 is this interpreter; pip runs offline (--no-deps --no-index --no-build-isolation), and
+    python3 is this interpreter; pip runs offline (--no-deps --no-index --no-build-isolation), and
     the new venvs see this environment's packages (SGLang and the rest) through a .pth line in place of
     downloading them (without a setuptools of their own, as python3.12's venv has none); systemctl is a fake,
     and the systemctl / journalctl lines of step 4 are skipped; the server the healthcheck talks to is a fake on
