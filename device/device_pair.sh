@@ -6,10 +6,14 @@
 # steps.txt and commit.txt; a short table prints last. Plot it here with
 # `python -m benchmarks.plot_acceptance acceptance.json DIR`.
 #
-# The call, from the repo root, with the pair in .pair (built by testbed.build_pair; ~22 MiB) and SGLang's slimmed
-# wheels in .dev-carry/whl (python device/device_carry.py; ~34 MiB), about 60 MiB with the tree:
+# The call, from the repo root, with the pair in .pair (~22 MiB) and SGLang's slimmed wheels in .dev-carry/whl
+# (python device/device_carry.py; ~34 MiB), about 60 MiB with the tree:
 #   run(command="bash device/device_pair.sh", carry=[".dev-carry/whl", ".pair"], timeout_s=600, kind="nvidia-h200")
 # Without .dev-carry/whl it installs .whl and .whl-server (57.5 MiB: no room for the pair beside them).
+# The pair is checked against benchmarks/results/pair_metadata.json (steps.sh's ensure_pair); missing or another
+# recipe, it is built first, about 3 minutes of the DEADLINE, which then leaves too little for the whole grid: get
+# the pair once with device/device_pair_build.sh (it comes back as tar parts) and carry it as .pair. The pair's
+# metadata comes back as pair_metadata.json.
 # Knobs: PAIR (default .pair), DEADLINE (s, default 480: the table prints before it), PROMPTS (default all 256),
 #   NEW_TOKENS (default 448: the prompt's 64 plus 448 is the length the drafter was trained on), BUDGETS (default
 #   "15 31 63 127 255"), TEMPERATURES (default "0 1"), DTYPE (default float32: greedy identity then tests the round,
@@ -44,8 +48,8 @@ mkdir -p "$SGLANG_JIT_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
 bash device/commit_stamp.sh > "$OUT/commit.txt"
 export COMMIT=${COMMIT:-$(head -c 300 "$OUT/commit.txt")}
-if [ ! -f "$PAIR/heldout_prompts.jsonl" ]; then
-  echo "no pair in $PAIR (carry it: run(..., carry=[\".dev-carry/whl\", \".pair\"]))" | tee -a "$OUT/steps.txt"
+if ! ensure_pair "$PAIR"; then
+  echo "no testbed pair of the reference's recipe in $PAIR: acceptance not run" | tee -a "$OUT/steps.txt"
 else
   # ~30 s kept for the table and the tarball; phases not begun 60 s before that are skipped and reported
   CAP=$(( $(left) - 30 )); STARTUP=$(( CAP > 150 ? CAP - 90 : 60 ))

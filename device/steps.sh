@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# Sourced by device_server.sh and device_pair.sh after they set DEADLINE (seconds from now) and LOGS (a folder
-# for the step logs): one deadline for the whole call, and timed steps recorded in $OUT/steps.txt.
+# Sourced by device_server.sh, device_pair.sh and device_pair_build.sh after they set DEADLINE (seconds from now)
+# and LOGS (a folder for the step logs): one deadline for the whole call, timed steps recorded in $OUT/steps.txt,
+# and ensure_pair for the scripts that need the testbed pair.
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT by the caller (8 files come back)
@@ -16,4 +17,43 @@ step() {
   timeout --kill-after=10 "$cap" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s (cap ${cap}s)" >> "$OUT/steps.txt"
   return $rc
+}
+
+# ensure_pair DIR: the testbed pair in DIR, the reference's recipe (testbed/pair_check.py: recipe, settings and
+# corpus equal to $PAIR_REFERENCE's; the weights are only compared, since GPU training is not bit-reproducible).
+# A pair missing there, or another one, is rebuilt in DIR first with the reference's preset and seed: about
+# 3 minutes of GPU time out of the call's deadline. Non-zero when no matching pair results; the check's report
+# (both values of every difference) prints either way, and $OUT/pair_metadata.json gets the pair's metadata.
+# PAIR_BUILD_CAP (s, default 420) caps the build; PAIR_DEVICE (default cuda) is cpu in the CPU tests.
+PAIR_REFERENCE=${PAIR_REFERENCE:-benchmarks/results/pair_metadata.json}
+ensure_pair() {
+  local dir=$1 build_args rc=0
+  if [ -f "$dir/metadata.json" ]; then
+    if step pair_check_found 60 python3 -m testbed.pair_check "$dir" --against "$PAIR_REFERENCE"; then
+      echo "testbed pair: $dir is the reference's recipe ($PAIR_REFERENCE)"
+      grep -E "^  (recipe|weights) " "$LOGS/pair_check_found.log"
+      cp "$dir/metadata.json" "$OUT/pair_metadata.json"
+      return 0
+    fi
+    echo "testbed pair: $dir is not the reference's recipe, so it is rebuilt:"
+    grep -E "FAIL|Error" "$LOGS/pair_check_found.log" | cut -c1-300
+  fi
+  build_args=$(python3 -m testbed.pair_check --build-args --against "$PAIR_REFERENCE") || return 1
+  # only build_pair's own outputs go: DIR is whatever the caller named
+  rm -rf "$dir/target" "$dir/drafter" "$dir/tokenizer" "$dir/heldout_prompts.jsonl" "$dir/metadata.json"
+  echo "building the testbed pair (about 3 min) into $dir" | tee -a "$OUT/steps.txt"
+  # shellcheck disable=SC2086  # build_args is build_pair's option list
+  step build_pair "${PAIR_BUILD_CAP:-420}" python3 -m testbed.build_pair --out "$dir" \
+    --device "${PAIR_DEVICE:-cuda}" $build_args || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "testbed pair: the build failed (rc=$rc); the end of build_pair.log:"
+    tail -15 "$LOGS/build_pair.log"
+    return 1
+  fi
+  # --record adds recipe_digest and outputs_sha256, so that this metadata can become the reference
+  step pair_check 60 python3 -m testbed.pair_check "$dir" --against "$PAIR_REFERENCE" --record || rc=$?
+  cp "$dir/metadata.json" "$OUT/pair_metadata.json"
+  cat "$LOGS/pair_check.log"
+  [ "$rc" -eq 0 ] || echo "testbed pair: the fresh build in $dir is NOT the reference's recipe (FAIL lines above)"
+  return "$rc"
 }
