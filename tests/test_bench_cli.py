@@ -64,3 +64,29 @@ def test_bad_repeats_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(SMALL + ["--repeats", "0"])
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def _row(batch, budget, total, topk):
+    """A CPU-table row: ``(median, min, max)`` per stage; the stages other than top-K take the rest equally."""
+    rest = (total[0] - topk) / 4
+    row = {"batch": batch, "budget": budget, "total": total, "topk_lse": (topk, topk, topk)}
+    row.update({k: (rest, rest, rest) for k in ("heap_build", "visibility", "mask_build", "accept")})
+    return row
+
+
+def test_the_summary_flags_noisy_rows_and_concludes_from_the_rows():
+    rows = [_row(1, 16, (10.0, 9.0, 11.0), 8.0), _row(32, 16, (2000.0, 1500.0, 5000.0), 1600.0)]
+    lines = bench.cpu_summary(rows)
+    assert len(lines) == 2  # the batch-32 row's spread is 175 % of its median; batch 1's 20 %
+    assert lines[0].startswith("NOISY: batch 32, budget 16: total 1500-5000 ms, a spread of 175 %")
+    assert lines[1] == ("Conclusion: on this CPU the reference round's tree machinery costs 10.0 ms (batch 1, "
+                        "budget 16) to 2000 ms (batch 32, budget 16) per round, 80 % of it in topk+lse; a server on "
+                        "this path pays it every decode round on the host.")
+    assert not bench.cpu_summary([_row(1, 16, (10.0, 8.0, 12.0), 5.0)])[0].startswith("NOISY")  # 40 %: not flagged
+
+
+def test_the_output_ends_the_cpu_table_with_its_conclusion(capsys):
+    assert bench.main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "Conclusion: on this CPU the reference round's tree machinery costs" in out
+    assert "--kimi-round --from-json benchmarks/results/kimi_round.json" in out

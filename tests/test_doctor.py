@@ -23,8 +23,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from sglang_kdtree import plugin  # noqa: E402
-from sglang_kdtree.cli import doctor
-from sglang_kdtree.cli import doctor_install
+from sglang_kdtree.cli import doctor, doctor_install  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKED = "sglang.srt.speculative.dflash_info_v2.DFlashDraftInputV2.prepare_for_decode"
@@ -40,10 +39,13 @@ def fail_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("FAIL")]
 
 
-#: a Kimi-style launch line for --launch-command (check 8; the box's triton: doctor judges for --arch 12.0 without a
-#: GPU, where fa3 is refused); ``+ " --speculative-num-steps 3"`` is refused
-LAUNCH = ("python -m sglang.launch_server --model-path /m --speculative-algorithm kdtree "
-          "--speculative-draft-model-path /d --attention-backend triton --page-size 1 --disable-overlap-schedule")
+#: a launch line for --launch-command (check 8; the box's triton: doctor judges for --arch 12.0 without a GPU,
+#: where fa3 is refused) naming the committed tiny checkpoints, whose folders doctor checks too (check 7);
+#: ``+ " --speculative-num-steps 3"`` is refused
+TINY = ROOT / "tests" / "e2e" / "tiny_models"
+LAUNCH = (f"python -m sglang.launch_server --model-path {TINY / 'llama'} --speculative-algorithm kdtree "
+          f"--speculative-draft-model-path {TINY / 'llama-dflash'} --attention-backend triton --page-size 1 "
+          "--disable-overlap-schedule")
 
 
 #: SGLang's plugin loader, made to warn and log the way SGLang's imports do on a machine without a GPU
@@ -473,3 +475,35 @@ def test_kernel_check_without_a_gpu_records_what_compiled(monkeypatch, tmp_path)
     for _ in range(2):
         ok, text = check("x[0] = ;")
         assert not ok and "kernel tiny.cu does not compile" in text, text
+
+
+def test_launch_command_checkpoints_are_checked(checkpoint, tmp_path):
+    """``--launch-command`` alone: the checkpoints the command names are checked as ``--model-path`` would be
+    (a folder that is not there fails, as ``service/launch.sh`` and the server's weight load would; a Hub id
+    warns); with doctor's own checkpoint flags the command's are not checked a second time."""
+    from sglang_kdtree.gpu import limits
+
+    target, draft = checkpoint("llama", LLAMA), checkpoint("draft", drafter())
+    line = ("python -m sglang.launch_server --model-path {} --speculative-algorithm kdtree "
+            "--speculative-draft-model-path {} --attention-backend triton --page-size 1")
+    sm_120 = limits.for_arch("12.0")
+    report = quiet()
+    assert doctor.check_launch_command(report, line.format(target, draft), sm_120)
+    assert report.counts[doctor.FAIL] == 0 and report.counts[doctor.WARN] == 0
+    assert "drafter " in report.out.getvalue() and "LlamaForCausalLM" in report.out.getvalue()
+
+    report = quiet()
+    doctor.check_launch_command(report, line.format(tmp_path / "no-target", tmp_path / "no-draft"), sm_120)
+    out = report.out.getvalue()
+    assert report.counts[doctor.FAIL] == 2, out
+    assert f"--model-path {tmp_path / 'no-target'}: the path does not exist" in out
+    assert f"--speculative-draft-model-path {tmp_path / 'no-draft'}: the path does not exist" in out
+
+    report = quiet()
+    doctor.check_launch_command(report, line.format("moonshotai/Kimi-K2.6", draft), sm_120)
+    assert report.counts[doctor.FAIL] == 0 and report.counts[doctor.WARN] == 1
+    assert "not a local path: SGLang will fetch it from the Hugging Face Hub" in report.out.getvalue()
+
+    report = quiet()
+    doctor.check_launch_command(report, line.format(tmp_path / "no-target", draft), sm_120, checkpoints=False)
+    assert report.counts[doctor.FAIL] == 0

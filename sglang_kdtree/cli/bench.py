@@ -141,6 +141,33 @@ def run_cpu_bench(batches, budgets, depths, vocab, repeats: int = DEFAULT_REPEAT
     return rows
 
 
+#: a row whose total's (max - min) / median exceeds this is flagged: its median is not a figure to quote
+NOISY_SPREAD = 0.5
+
+
+def cpu_summary(rows: list[dict]) -> list[str]:
+    """The CPU table's reading: one line per row whose spread exceeds ``NOISY_SPREAD`` and a conclusion line (the
+    round's range over the grid and the stage that dominates it), from the rows themselves."""
+    lines = []
+    for row in rows:
+        med, lo, hi = row["total"]
+        if med > 0 and (hi - lo) / med > NOISY_SPREAD:
+            lines.append(f"NOISY: batch {row['batch']}, budget {row['budget']}: total {_fmt(lo)}-{_fmt(hi)} ms, a "
+                         f"spread of {100 * (hi - lo) / med:.0f} % of its median; the machine was busy or the "
+                         "repeats too few (--repeats), so do not quote that median")
+    low = min(rows, key=lambda r: r["total"][0])
+    high = max(rows, key=lambda r: r["total"][0])
+    stages = [key for key, _ in CPU_COLUMNS[2:-1]]
+    share = {k: sum(r[k][0] for r in rows) / max(sum(r["total"][0] for r in rows), 1e-9) for k in stages}
+    top = max(share, key=share.get)
+    title = dict(CPU_COLUMNS)[top].replace(" ms", "")
+    lines.append(f"Conclusion: on this CPU the reference round's tree machinery costs {_fmt(low['total'][0])} ms "
+                 f"(batch {low['batch']}, budget {low['budget']}) to {_fmt(high['total'][0])} ms (batch "
+                 f"{high['batch']}, budget {high['budget']}) per round, {100 * share[top]:.0f} % of it in {title}; "
+                 "a server on this path pays it every decode round on the host.")
+    return lines
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sglang_kdtree bench",
@@ -217,12 +244,15 @@ def main(argv=None) -> int:
     print(f"\nCPU reference pipeline (numpy + Python heapq; milliseconds per round, one core). Each figure: "
           f"median (min-max) of {args.repeats} timed {runs} after {args.warmup} warm-up:")
     print(format_table(rows, CPU_COLUMNS))
+    print("\n".join(cpu_summary(rows)))
 
     from sglang_kdtree.gpu.runtime import gpu_unavailable_reason
 
     reason = "--cpu-only was given" if args.cpu_only else gpu_unavailable_reason()
     if reason is not None:
-        print(f"\nGPU table: not run ({reason}). It needs a CUDA GPU with CuPy (cupy-cuda13x).")
+        print(f"\nGPU table: not run ({reason}). It needs a CUDA GPU with CuPy (cupy-cuda13x). Without one, from a "
+              "source checkout's root, `python -m sglang_kdtree bench --kimi-round --from-json "
+              "benchmarks/results/kimi_round.json` reprices the modelled Kimi K2.6 round from a saved GPU run.")
         return 0
     from sglang_kdtree.cli.bench_gpu import format_table as gpu_table
     from sglang_kdtree.cli.bench_gpu import run_gpu_bench

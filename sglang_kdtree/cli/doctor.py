@@ -45,7 +45,7 @@ from pathlib import Path
 
 from sglang_kdtree.cli.doctor_checkpoints import check_drafter, check_target  # noqa: F401 (check 7; re-exported)
 from sglang_kdtree.cli.doctor_install import (FAIL, OK, WARN, Report, check_install, check_package,  # noqa: F401
-                                          check_sglang_version, quiet_imports, sglang_pin)
+                                              check_sglang_version, quiet_imports, sglang_pin)
 from sglang_kdtree.cli.doctor_launch import check_launch_command
 from sglang_kdtree.cli.doctor_limits import check_launch_configurations
 from sglang_kdtree.gpu.limits import ARCHS, for_arch
@@ -448,7 +448,9 @@ def _run_checks(report: Report, args: argparse.Namespace) -> None:
     if args.speculative_draft_model_path is not None:
         check_drafter(report, args.speculative_draft_model_path, args.speculative_dflash_block_size, target_layers)
     if args.launch_command is not None and limits is not None:
-        check_launch_command(report, args.launch_command, limits)
+        # the command's own checkpoints, unless the doctor's flags named them (checked above)
+        own = args.model_path is None and args.speculative_draft_model_path is None
+        check_launch_command(report, args.launch_command, limits, checkpoints=own)
 
 
 def _finish(report: Report) -> int:

@@ -2,7 +2,9 @@
 
 ``launch_args_problem`` is the one implementation; ``python -m sglang_kdtree doctor --launch-command "..."`` and
 ``service/install.sh``'s preflight both call it, so a flag the server would refuse at startup (before it loads
-anything) is reported before a restart.
+anything) is reported before a restart. ``doctor`` also checks the command's checkpoints (check 7) unless its own
+``--model-path`` / ``--speculative-draft-model-path`` name them: a launch that parses but names a folder that is
+not there would otherwise pass here and fail at the weight load.
 """
 
 from __future__ import annotations
@@ -17,26 +19,33 @@ if TYPE_CHECKING:
     from sglang_kdtree.gpu.limits import DeviceLimits
 
 
-def launch_args_problem(argv: list[str], limits: "DeviceLimits | None" = None) -> str | None:
-    """Why ``python -m sglang.launch_server`` with these arguments would stop at startup, or None.
-
-    SGLang's argument parser first (an unknown flag, a bad value), then, for ``--speculative-algorithm kdtree``,
-    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution). ``limits``:
-    the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
+def parse_launch_args(argv: list[str]) -> tuple[argparse.Namespace | None, str | None]:
+    """``(namespace, None)`` from SGLang's own argument parser, or ``(None, why it refuses them)``."""
     from sglang.srt.server_args import ServerArgs
-
-    from sglang_kdtree import state
-    from sglang_kdtree.server import spec
 
     parser = argparse.ArgumentParser(prog="sglang serve")
     ServerArgs.add_cli_args(parser)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            namespace = parser.parse_args(argv)
+            return parser.parse_args(argv), None
     except SystemExit:
         lines = err.getvalue().strip().splitlines() or ["(no message)"]
-        return f"SGLang's argument parser refuses it: {lines[-1]}"  # its last line; the rest is the usage
+        return None, f"SGLang's argument parser refuses it: {lines[-1]}"  # its last line; the rest is the usage
+
+
+def launch_args_problem(argv: list[str], limits: "DeviceLimits | None" = None) -> str | None:
+    """Why ``python -m sglang.launch_server`` with these arguments would stop at startup, or None.
+
+    SGLang's argument parser first (an unknown flag, a bad value), then, for ``--speculative-algorithm kdtree``,
+    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution). ``limits``:
+    the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
+    from sglang_kdtree import state
+    from sglang_kdtree.server import spec
+
+    namespace, problem = parse_launch_args(argv)
+    if problem is not None:
+        return problem
     if not state.is_kdtree(getattr(namespace, "speculative_algorithm", None)):
         return None
     try:
@@ -58,11 +67,24 @@ def server_argv(command_line: str) -> list[str]:
     return argv
 
 
-def check_launch_command(report, command_line: str, limits: "DeviceLimits | None" = None) -> bool:
-    problem = launch_args_problem(server_argv(command_line), limits)
+def check_launch_command(report, command_line: str, limits: "DeviceLimits | None" = None,
+                         checkpoints: bool = True) -> bool:
+    """Check 8, then (``checkpoints``) check 7 on the checkpoints the command names."""
+    argv = server_argv(command_line)
+    problem = launch_args_problem(argv, limits)
     if problem is None:
         where = f" (for {limits.arch_name})" if limits is not None else ""
         report.ok(f"launch command: passes SGLang's argument parser and KDTREE's startup checks{where}")
-        return True
-    report.fail(f"launch command would not start: {problem}", "change the command line as the message says")
-    return False
+    else:
+        report.fail(f"launch command would not start: {problem}", "change the command line as the message says")
+    namespace, _ = parse_launch_args(argv)
+    if checkpoints and namespace is not None:
+        from sglang_kdtree.cli.doctor_checkpoints import check_drafter, check_target
+
+        layers = None
+        if getattr(namespace, "model_path", None):
+            layers = check_target(report, namespace.model_path, bool(namespace.trust_remote_code)) or None
+        if getattr(namespace, "speculative_draft_model_path", None):
+            check_drafter(report, namespace.speculative_draft_model_path,
+                          getattr(namespace, "speculative_dflash_block_size", None), layers)
+    return problem is None
