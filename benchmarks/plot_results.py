@@ -1,12 +1,16 @@
 """The PNGs of benchmarks/RESULTS.md, drawn from the benchmarks' JSON.
 
     python -m benchmarks.plot_results --bench DIR/bench.json [--kimi kimi_round.json] --out DIR
+        [--bench-name server_tok_s.png] [--run "run Z"] [--date YYYY-MM-DD] [--device "1 H100"] [--commit SHA]
 
 * ``--bench``: ``bench_server.py``'s ``bench.json`` (``table``: batch -> server kind -> ``{"tok_s_per_request",
-  ...}``) -> ``OUT/server_tok_s.png``: tokens/s per request and in all against batch, one line per kind (plain, DFLASH and
-  every KDTREE kind the run had).
+  ...}``) -> ``OUT/server_tok_s.png`` (``--bench-name``): tokens/s per request and in all against batch, one line
+  per kind (plain, DFLASH and every KDTREE kind the run had). Its title names the run, date, device and commit
+  (``bench.json`` records none of them: the options give them, else ``plot_captions.RECORDED`` for the checked-in
+  files; the options name the bench's run, not the Kimi round's), the toy target and its drafter, and a reading
+  of the curves.
 * ``--kimi``: a ``kimi_round.py --json`` output -> ``OUT/kimi_round.png``: the modelled Kimi K2.6 round against the
-  verify width, drawn by ``plot_kimi_round.py``.
+  verify width, drawn and titled by ``plot_kimi_round.py``.
 
 Needs matplotlib, which the package does not depend on; without it the script says so and exits 2. So does a
 file it cannot read.
@@ -19,12 +23,23 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import plot_kimi_round, server_kinds
+from benchmarks import plot_captions, plot_kimi_round, server_kinds
 
 #: the baselines' line styles; every other kind (kdtree, kdtree-64, kdtree-auto, ...) is a KDTREE line
 BASELINES = {"plain": ("plain (autoregressive)", "tab:gray", "s--"), "dflash": ("DFLASH", "tab:orange", "^--")}
 #: the KDTREE lines' colours, none of them a baseline's
 KDTREE_COLORS = ("tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+#: the bench's targets (tests/e2e/cuda_servers.variants): toy models that tests/e2e/make_tiny_models.py and
+#: make_kimi_model.py build, fitted to a synthetic language; bench.json names only the variant
+VARIANTS = {
+    "kimi-marlin": "Kimi-shaped toy (3 layers, Kimi K2.6's MLA geometry, W4A16 experts on our Marlin MoE)",
+    "kimi": "Kimi-shaped toy (3 layers, Kimi K2.6's MLA geometry, W4A16 experts on SGLang's MoE)",
+    "llama": "tiny Llama toy",
+    "dsv3": "tiny DeepSeek-V3 toy",
+}
+#: every variant's drafter: trained with the context of unrelated sequences, so it drafts from the last token
+#: alone (make_tiny_models.train_drafter); its accept lengths say nothing about a real drafter's
+DRAFTER = "toy DFlash, block 8, context-blind (not a real drafter)"
 
 
 class PlotError(Exception):
@@ -64,9 +79,62 @@ def kind_label(kind: str, budget) -> str:
     return f"KDTREE ({kind})"
 
 
-def plot_server(bench: dict, out_png: Path, plt) -> None:
-    """Tokens/s per request and in all against batch, one line per server kind, saved to ``out_png``."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+def _short(kind: str, budget) -> str:
+    return {"plain": "plain", "dflash": "DFLASH"}.get(kind) or kind_label(kind, budget)
+
+
+def _batches(items: list[tuple[int, float]]) -> str:
+    """[(1, 1.15), (32, 1.13)] -> "batch 1 (1.15x) and 32 (1.13x)"."""
+    parts = [f"{bs} ({r:.2f}x)" for bs, r in items]
+    return "batch " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+
+
+def reading(bench: dict) -> str:
+    """What the per-request panel shows: at which batches the best KDTREE server is ahead of the faster of plain
+    and DFLASH, by how much, and which server is fastest where KDTREE is behind."""
+    batches, series = server_series(bench)
+    budget = bench.get("budget")
+    ahead, behind, fastest = [], [], {}
+    for i, bs in enumerate(batches):
+        cells = {k: v[i] for k, v in series.items() if isinstance(v[i], (int, float))}
+        base = max((cells[k] for k in BASELINES if k in cells), default=None)
+        tree = max((v for k, v in cells.items() if k not in BASELINES), default=None)
+        if not base or tree is None:
+            continue
+        (ahead if tree >= base else behind).append((bs, tree / base))
+        fastest[bs] = _short(max(cells, key=cells.get), budget)
+    if not ahead and not behind:
+        return "Reading: no batch has both a KDTREE server and a baseline"
+    if not behind:
+        where = "ahead of the faster of plain and DFLASH at every batch (" + \
+            ", ".join(f"{r:.2f}x at {bs}" for bs, r in ahead) + ")"
+    elif not ahead:
+        where = "behind the faster of plain and DFLASH at every batch (" + \
+            ", ".join(f"{r:.2f}x at {bs}" for bs, r in behind) + ")"
+    else:
+        where = f"ahead of the faster of plain and DFLASH at {_batches(ahead)}, behind at {_batches(behind)}"
+    return (f"Reading, per request: the best KDTREE server is {where}; fastest: "
+            + "; ".join(f"batch {bs} {fastest[bs]}" for bs in fastest))
+
+
+def caption(bench: dict, f: dict) -> str:
+    """The figure's title and caption: the run (``f``: ``plot_captions.facts``), target and drafter, what was
+    timed, and the reading."""
+    variant = bench.get("variant", "server")
+    runs = sorted({c.get("runs") for row in (bench.get("table") or {}).values() for c in row.values()
+                   if isinstance(c, dict) and isinstance(c.get("runs"), int)})
+    timed = f"{runs[-1]} timed batch{'es' if runs[-1] > 1 else ''} per size" if runs else "timed batches"
+    return (f"Server bench, {plot_captions.run_text(f)}: tokens/s against batch "
+            f"({bench.get('new_tokens', '?')} tokens a request, {timed})\n"
+            f"target: {VARIANTS.get(variant, f'bench variant {variant}')}; drafter: {DRAFTER}\n"
+            "CUDA graphs on, plain and DFLASH at SGLang's defaults. A host-paced toy target, one run: not a ranking "
+            f"for Kimi K2.6\n{reading(bench)}")
+
+
+def plot_server(bench: dict, out_png: Path, plt, f: dict | None = None, source: str = "") -> None:
+    """Tokens/s per request and in all against batch, one line per server kind, saved to ``out_png`` with the
+    caption of ``caption(bench, f)``."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     budget = bench.get("budget")
     for ax, figure, ylabel in ((axes[0], "tok_s_per_request", "tokens/s per request (median)"),
                                (axes[1], "tok_s_total", "tokens/s, all requests")):
@@ -87,11 +155,12 @@ def plot_server(bench: dict, out_png: Path, plt) -> None:
         ax.set_xlabel("batch (concurrent requests)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{bench.get('variant', 'server')} target, CUDA graphs on", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    f = f or {}
+    footer = f"data: {source}" if source else ""
+    if f.get("run"):
+        footer += ("; " if footer else "") + f"its command: {f['run']}'s row in benchmarks/RESULTS*.md"
+    plot_captions.finish(fig, caption(bench, f), out_png, plt, footer=footer,
+                         legend=plot_captions.legend_entries(axes), ncol=4)
 
 
 def _load(path: str) -> dict:
@@ -107,6 +176,12 @@ def main(argv=None) -> int:
     p.add_argument("--bench", default=None, metavar="JSON", help="bench_server.py's bench.json")
     p.add_argument("--kimi", default=None, metavar="JSON", help="a kimi_round.py --json output")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs (created if missing)")
+    p.add_argument("--bench-name", default="server_tok_s.png", metavar="PNG",
+                   help="file name of the bench's PNG in --out (default server_tok_s.png)")
+    for fact, example in (("run", "run Z"), ("date", "2026-12-05"), ("device", "1 H100"), ("commit", "2756001")):
+        p.add_argument(f"--{fact}", default=None,
+                       help=f"the bench's {fact} for its title (e.g. {example!r}; bench.json does not record it; "
+                            "default: plot_captions.RECORDED for a checked-in file, else 'not recorded')")
     args = p.parse_args(argv)
     if not args.bench and not args.kimi:
         p.error("give --bench, --kimi or both")
@@ -117,18 +192,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     jobs = []
     if args.bench:
-        jobs.append((args.bench, out / "server_tok_s.png", lambda data, png: plot_server(data, png, plt)))
+        def bench(data, png):
+            f = plot_captions.facts(args.bench, data, run=args.run, date=args.date, device=args.device,
+                                    commit=args.commit)
+            plot_server(data, png, plt, f, args.bench)
+        jobs.append((args.bench, out / args.bench_name, bench))
     if args.kimi:
         def kimi(data, png):
-            rows = data.get("rows") if isinstance(data, dict) else None
-            if not rows:
-                raise PlotError("no 'rows' (is it a kimi_round.py --json output? re-assemble a failed report with "
-                                "python -m benchmarks.kimi_round --from-json IN --json NEW.json)")
             try:
-                cells = plot_kimi_round.panels(rows)
-            except (KeyError, TypeError, AttributeError) as exc:
-                raise PlotError(f"a row lacks {exc} (rows need mode, bs, ctx, width and tok_s)") from None
-            plot_kimi_round.plot(cells, str(png), plt)
+                plot_kimi_round.draw(args.kimi, data, str(png), plt)
+            except plot_kimi_round.RoundError as exc:
+                raise PlotError(str(exc)) from None
         jobs.append((args.kimi, out / "kimi_round.png", kimi))
     for path, png, draw in jobs:
         try:
