@@ -142,6 +142,18 @@ def test_server_reading_behind_everywhere_and_wrap():
     assert all(len(line) <= 5 * 72 / (6.5 * 0.5) for line in plot_captions.wrap("word " * 100, 5, 6.5).split("\n"))
 
 
+def test_server_reading_leads_with_kdtree_at_its_defaults():
+    """The server a user gets without flags (automatic width, overlap on where the run has both) comes first, so
+    a best pinned budget cannot stand in for it."""
+    bench = {"budget": 63, "table": {
+        "1": {"plain": {"tok_s_per_request": 100.0}, "kdtree-auto-overlap": {"tok_s_per_request": 85.0},
+              "kdtree-auto": {"tok_s_per_request": 95.0}, "kdtree": {"tok_s_per_request": 110.0}}}}
+    text = plot_results.reading(bench)
+    assert text.startswith("Reading, per request: KDTREE at its defaults (KDTREE automatic width, overlap on) "
+                           "against the faster of plain and DFLASH: 0.85x at 1. The best KDTREE server (any width) "
+                           "is ahead of the faster of plain and DFLASH at every batch (1.10x at 1)"), text
+
+
 def test_legend_and_footer_lie_outside_the_axes(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     plt = plot_kimi_round.pyplot("test", "")
