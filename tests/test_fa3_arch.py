@@ -63,7 +63,7 @@ def llama(tmp_path_factory):
 def _readme_launches() -> list[str]:
     """The README's Kimi launches (the box's, then Hopper's), each as one line."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Launch: Kimi K2.6 on one 8-GPU box"):text.index("**Projected speed**")]
+    section = text[text.index("## Launch: Kimi K2.6 on one 8-GPU box"):text.index("## How a round runs")]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [block.replace("\\\n", " ") for block in blocks]
 
@@ -200,8 +200,10 @@ def test_doctor_arch_12_refuses_the_readme_launch_with_fa3_and_names_triton(kimi
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
-    assert len(fails) == 1 and "launch command would not start" in fails[0], result.stdout
+    # the refusal, and the README's drafter folder, which does not exist here (doctor checks the command's paths)
+    assert len(fails) == 2 and "launch command would not start" in fails[0], result.stdout
     assert REFUSED in fails[0] and "use --attention-backend triton" in fails[0]
+    assert fails[1] == "FAIL  --speculative-draft-model-path /models/Kimi-K2.6-DFlash: the path does not exist"
     assert any(line.startswith("ok") and "GPU judged for" in line and "sm_120" in line
                for line in result.stdout.splitlines()), result.stdout
 
