@@ -14,7 +14,11 @@ Servers (one SGLang 0.5.23 launcher each, on 127.0.0.1):
 
 On CUDA they start through ``tests/e2e/cuda_servers.py`` with ``benchmarks/bench_server.py``'s flags per kind (CUDA
 graphs on, Triton attention, the test-only ``sgl_kernel`` stand-in); on the CPU through the e2e harness
-(``tests/e2e/conftest.py``: ``torch_native`` attention, the ``sgl_kernel`` stub, overlap off for every kind).
+(``tests/e2e/conftest.py``: ``torch_native`` attention, the ``sgl_kernel`` stub). On both, SGLang's overlap scheduler
+serves plain and DFLASH (its default) and a ``kdtree-B-overlap`` kind, and not ``kdtree-B``: there every request-round
+of the round log is a verify SGLang counts. Overlapped, SGLang launches a request whose in-flight round is about to
+finish it into one more round (its check that a request finishes in flight counts one token per round), then
+drops that round's tokens without counting its verify, while the round log records it.
 SGLang 0.5.23 refuses DFLASH on the CPU at startup ("not supported by CpuSRTPlatform"); the report carries that
 refusal as the server's error. Budgets go up to ``state.MAX_BUDGET`` (1024), so 255 is allowed.
 
@@ -51,7 +55,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.server_kinds import pinned_budget
+from benchmarks.server_kinds import overlapped, pinned_budget
 
 REPO = Path(__file__).resolve().parent.parent
 E2E = REPO / "tests" / "e2e"
@@ -130,7 +134,9 @@ def start_server(kind: str, pair: Path, logs: Path, device: str, dtype: str, kv:
         server = cuda_servers.CudaServer(kind, args, logs / f"{kind}.log", env)
     else:
         conftest = cpu_harness()
-        args = conftest.base_server_args(pair / "target", conftest.free_port())
+        # overlap as on CUDA (bench_server._args_for): SGLang's default for plain and DFLASH, a KDTREE kind's name
+        overlap = not kind.startswith("kdtree") or overlapped(kind)
+        args = conftest.base_server_args(pair / "target", conftest.free_port(), overlap=overlap)
         args[args.index("--dtype") + 1] = dtype
         if kind == "dflash":
             args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(pair / "drafter")]

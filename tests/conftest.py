@@ -1,4 +1,5 @@
-"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA device (or CuPy) is present."""
+"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA device (or CuPy) is present; the terminal
+summary counts the session's skips by reason (``skip_reasons``)."""
 
 import pytest
 
@@ -23,3 +24,11 @@ def _fresh_verify_widths(monkeypatch):
 
     monkeypatch.delenv(WIDTHS_ENV, raising=False)
     monkeypatch.delenv("SGLANG_KDTREE_VERIFY_WIDTHS_RESOLVED", raising=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per skip reason group with its count (``skip_reasons.summary_lines``): "N skipped" alone does not
+    say how many are the GPU tests and how many lack an optional tool or package."""
+    from skip_reasons import write_summary
+
+    write_summary(terminalreporter)

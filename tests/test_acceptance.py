@@ -82,8 +82,15 @@ def test_server_flags_per_kind_on_cuda_and_cpu(monkeypatch, tmp_path):
     s, a, v = flags("kdtree-15", "cpu")
     assert (v("--device"), v("--attention-backend"), v("--speculative-num-draft-tokens")) == \
         ("cpu", "torch_native", "16")
+    # overlap as on CUDA: off for kdtree-B (the round log's request-rounds are SGLang's verifies), on for -overlap
+    assert "--disable-overlap-schedule" in a
+    s, a, v = flags("kdtree-15-overlap", "cpu")
+    assert v("--speculative-num-draft-tokens") == "16" and "--disable-overlap-schedule" not in a
     s, a, v = flags("dflash", "cpu")
     assert v("--speculative-algorithm") == "DFLASH" and v("--max-total-tokens") == "40000"
+    assert "--disable-overlap-schedule" not in a
+    s, a, v = flags("plain", "cpu")
+    assert "--disable-overlap-schedule" not in a
     small = acc.start_server("plain", pair, tmp_path, "cpu", "bfloat16", kv=10).args
     assert small[small.index("--max-total-tokens") + 1] == "16384" and "bfloat16" in small
 
