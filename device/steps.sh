@@ -1,7 +1,7 @@
 # shellcheck shell=bash
-# Sourced by device_server.sh, device_pair.sh and device_pair_build.sh after they set DEADLINE (seconds from now)
-# and LOGS (a folder for the step logs): one deadline for the whole call, timed steps recorded in $OUT/steps.txt,
-# and ensure_pair for the scripts that need the testbed pair.
+# Sourced by device_server.sh, device_pair.sh, device_pair_build.sh and device_rank.sh after they set DEADLINE
+# (seconds from now) and LOGS (a folder for the step logs): one deadline for the whole call, timed steps recorded in
+# $OUT/steps.txt, and ensure_pair for the scripts that need the testbed pair.
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT by the caller (8 files come back)

@@ -144,8 +144,10 @@ def write_round_record(path: str, backend, device, acc, verify, trees, marks: Ro
 
     * ``depth_reach``: per draft depth, the drafter's probability of reaching it, summed over the batch
       (``_depth_reach``);
-    * ``accept_lens``, ``num_nodes``; ``sibling_accepts[b]`` counts accepted nodes that are not their
-      parent's first child (rank > 0 at their depth): acceptance a chain drafter (DFLASH) could not have;
+    * ``accept_lens``, ``num_nodes`` (under SGLang's overlap scheduler a request whose in-flight round finishes it
+      can run one more round: its row is here, though SGLang drops its tokens and counts no verify);
+      ``sibling_accepts[b]`` counts accepted nodes that are not their parent's first child (rank > 0 at their
+      depth): acceptance a chain drafter (DFLASH) could not have;
     * ``backend`` (``gpu`` / ``reference``) and ``graph`` (the target verify replayed a CUDA graph);
     * ``mla_launches``: launches of the fused MLA tree-verify kernel in this process so far (a device
       counter, so launches inside graph replays count), and ``mla_launches_by_kernel`` the same per kernel
