@@ -29,21 +29,7 @@ source "$(dirname "$0")/steps.sh"
 
 PAIR=${PAIR:-.pair}
 export TRITON_F32_DEFAULT=${TRITON_F32_DEFAULT:-ieee}
-if [ -d .dev-carry/whl ]; then WHEELS=(.dev-carry/whl/*.whl); else WHEELS=(.whl/*.whl .whl-server/*.whl); fi
-step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# SGLang finds the plugin only through an installed package's entry point (PYTHONPATH alone is not enough)
-step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
-PLUGIN_CHECK="
-from importlib.metadata import entry_points
-assert any(e.name == 'kdtree' for e in entry_points(group='sglang.srt.plugins')), 'kdtree entry point not visible'"
-if ! step plugin 30 python3 -c "$PLUGIN_CHECK"; then
-  step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
-  step plugin_regular 30 python3 -c "$PLUGIN_CHECK"
-fi
-export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
-mkdir -p "$SGLANG_JIT_CACHE_DIR"
-[ -f .dev-carry/jitcache-server.tar.gz ] && tar -xzf .dev-carry/jitcache-server.tar.gz -C "$SGLANG_JIT_CACHE_DIR"
+install_carry
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
 bash device/commit_stamp.sh > "$OUT/commit.txt"

@@ -30,31 +30,7 @@ LOGS=/tmp/device_rank_logs
 # shellcheck source=device/steps.sh
 source "$(dirname "$0")/steps.sh"
 
-if [ -d .dev-carry/whl ]; then
-  WHEELS=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; JIT_SERVER=.dev-carry
-else
-  WHEELS=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; JIT_SERVER=.jitcache-server
-fi
-step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
-# SGLang finds the plugin only through the installed package's entry point (PYTHONPATH alone is not enough)
-PLUGIN_CHECK="
-from importlib.metadata import entry_points
-eps = [e.name for e in entry_points(group='sglang.srt.plugins')]
-print(eps); assert 'kdtree' in eps, 'kdtree plugin entry point not visible'"
-if ! step plugin 30 python3 -c "$PLUGIN_CHECK"; then
-  step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
-  step plugin_regular 30 python3 -c "$PLUGIN_CHECK"
-fi
-
-export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
-mkdir -p "$SGLANG_JIT_CACHE_DIR"
-if [ -f "$JIT_SERVER/jitcache-server.tar.gz" ]; then
-  tar -xzf "$JIT_SERVER/jitcache-server.tar.gz" -C "$SGLANG_JIT_CACHE_DIR"
-elif [ "$JIT_SERVER" = .jitcache-server ] && [ -d .jitcache-server ]; then
-  cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
-fi
+install_carry
 if [ -d "$JIT_SEED" ]; then
   step seed_jit 120 env PYTHONPATH="$PWD/tests/e2e/sgl_kernel_cuda:$PYTHONPATH" \
     python3 tests/e2e/prebuild_jit.py --seed "$JIT_SEED" --which "${JIT_SEED_WHICH:-repack,kdtree}" --no-build

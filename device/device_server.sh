@@ -40,33 +40,8 @@ LOGS=/tmp/device_server_logs
 source "$(dirname "$0")/steps.sh"
 
 # .dev-carry (device/device_carry.py: slimmed wheels + prebuilt JIT + tiny models in one carry) wins when carried
-if [ -d .dev-carry/whl ]; then
-  WHEELS=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; JIT_SERVER=.dev-carry
-  [ -d .dev-carry/tiny_models ] && export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.dev-carry/tiny_models}
-else
-  WHEELS=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; JIT_SERVER=.jitcache-server
-fi
-step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}"
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
-# SGLang finds the plugin only through the installed package's entry point (PYTHONPATH alone is not enough)
-PLUGIN_CHECK="
-from importlib.metadata import entry_points
-eps = [(e.name, e.value, str(getattr(e.dist, '_path', ''))) for e in entry_points(group='sglang.srt.plugins')]
-print(eps); assert any(n == 'kdtree' for n, _, _ in eps), 'kdtree plugin entry point not visible'"
-if ! step plugin 30 python3 -c "$PLUGIN_CHECK"; then
-  # the editable install did not register it for this python: install a regular copy next to the wheels
-  step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
-  step plugin_regular 30 python3 -c "$PLUGIN_CHECK"
-fi
-
-export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
-mkdir -p "$SGLANG_JIT_CACHE_DIR"
-if [ -f "$JIT_SERVER/jitcache-server.tar.gz" ]; then
-  tar -xzf "$JIT_SERVER/jitcache-server.tar.gz" -C "$SGLANG_JIT_CACHE_DIR"
-elif [ "$JIT_SERVER" = .jitcache-server ] && [ -d .jitcache-server ]; then
-  cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
-fi
+[ -d .dev-carry/tiny_models ] && export KDTREE_TINY_MODELS=${KDTREE_TINY_MODELS:-$PWD/.dev-carry/tiny_models}
+install_carry
 
 # JIT_EXPORT=1: build SGLang's JIT modules of JIT_WHICH (prebuild_jit.py --which; default repack,kdtree: what
 # SGLANG_KDTREE_MOE=marlin servers and kimi_round's Marlin piece load; one Marlin module is about 6 minutes of nvcc)

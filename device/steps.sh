@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Sourced by device_server.sh, device_pair.sh, device_pair_build.sh and device_rank.sh after they set DEADLINE
 # (seconds from now) and LOGS (a folder for the step logs): one deadline for the whole call, timed steps recorded in
-# $OUT/steps.txt, and ensure_pair for the scripts that need the testbed pair.
+# $OUT/steps.txt, install_carry for the scripts that serve, and ensure_pair for the scripts that need the testbed pair.
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 rm -rf "$LOGS"; mkdir -p "$LOGS"   # tarred into $OUT by the caller (8 files come back)
@@ -56,4 +56,38 @@ ensure_pair() {
   cat "$LOGS/pair_check.log"
   [ "$rc" -eq 0 ] || echo "testbed pair: the fresh build in $dir is NOT the reference's recipe (FAIL lines above)"
   return "$rc"
+}
+
+# install_carry: SGLang's wheels (.dev-carry/whl when carried, else .whl and .whl-server) into /tmp/site with this
+# checkout installed beside them, the plugin's entry point checked (SGLang finds the plugin only through an installed
+# package's entry point: PYTHONPATH alone is not enough), and SGLang's server JIT cache restored when carried (without
+# it servers started side by side miss their start timeout). Exports PYTHONPATH and SGLANG_JIT_CACHE_DIR; sets
+# JIT_SEED, the folder of prebuilt Marlin JIT modules a caller seeds from.
+install_carry() {
+  local wheels jit_server check
+  # shellcheck disable=SC2034  # JIT_SEED is for the callers
+  if [ -d .dev-carry/whl ]; then
+    wheels=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; jit_server=.dev-carry
+  else
+    wheels=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; jit_server=.jitcache-server
+  fi
+  step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+  step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
+  check="
+from importlib.metadata import entry_points
+eps = [(e.name, e.value, str(getattr(e.dist, '_path', ''))) for e in entry_points(group='sglang.srt.plugins')]
+print(eps); assert any(n == 'kdtree' for n, _, _ in eps), 'kdtree plugin entry point not visible'"
+  if ! step plugin 30 python3 -c "$check"; then
+    # the editable install did not register it for this python: install a regular copy next to the wheels
+    step install_regular 90 python3 -m pip install --no-deps --no-build-isolation --target /tmp/site .
+    step plugin_regular 30 python3 -c "$check"
+  fi
+  export SGLANG_JIT_CACHE_DIR=/tmp/jitcache-server
+  mkdir -p "$SGLANG_JIT_CACHE_DIR"
+  if [ -f "$jit_server/jitcache-server.tar.gz" ]; then
+    tar -xzf "$jit_server/jitcache-server.tar.gz" -C "$SGLANG_JIT_CACHE_DIR"
+  elif [ "$jit_server" = .jitcache-server ] && [ -d .jitcache-server ]; then
+    cp -a .jitcache-server/. "$SGLANG_JIT_CACHE_DIR"/
+  fi
 }
