@@ -65,31 +65,32 @@ OVERHEAD_GIB = {"cuda_context": 1.0, "decode_graph_pool": 1.5, "round_buffers": 
 
 @dataclasses.dataclass(frozen=True)
 class RankShape:
-    """The target and drafter of one rank (defaults: ``kimi_model``'s shapes at TP 8, see ``from_kimi_model``)."""
+    """The target and drafter of one rank; ``from_kimi_model`` fills it from ``benchmarks.kimi_model``'s shapes at
+    TP 8, the one place they are stated."""
 
-    layers: int = DEFAULT_LAYERS
-    dense_layers: int = 1
-    hidden: int = 7168
-    heads: int = 8
-    q_lora: int = 1536
-    kv_lora: int = 512
-    qk_nope: int = 128
-    qk_rope: int = 64
-    v_head: int = 128
-    experts: int = 384
-    top_k: int = 8
-    moe_inter: int = 256
-    shared_experts: int = 1
-    dense_inter: int = 2304
-    vocab: int = 163_840
-    group: int = 32
-    max_positions: int = 32_768
-    draft_layers: int = 5
-    draft_heads: int = 8
-    draft_kv_heads: int = 1
-    draft_head_dim: int = 128
-    draft_inter: int = 2304
-    block: int = 16
+    layers: int
+    dense_layers: int
+    hidden: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    experts: int
+    top_k: int
+    moe_inter: int
+    shared_experts: int
+    dense_inter: int
+    vocab: int
+    max_positions: int
+    draft_layers: int
+    draft_heads: int
+    draft_kv_heads: int
+    draft_head_dim: int
+    draft_inter: int
+    block: int
+    group: int = 32  # INT4 quantisation group (Kimi K2.6's checkpoint)
 
     def __post_init__(self):
         if not self.dense_layers < self.layers:
