@@ -15,7 +15,7 @@
 
 Every figure's title names the run, its date and device (``--run`` / ``--date`` / ``--device``, and
 ``--training-run`` / ... for the training figure: the JSONs record the device only as "cuda", and no run or date;
-default ``plot_captions.RECORDED`` for a checked-in file), the pair (its trained target and drafter) and a reading
+default ``benchmarks/results/runs.json`` for a checked-in file), the pair (its trained target and drafter) and a reading
 of the curves; its foot carries the run's command and commit, wrapped to the figure's width, and one legend below
 the panels keeps the curves clear. Needs matplotlib (exit 2 and a message without it, as
 ``plot_kimi_round.py``); a file that is not an acceptance report exits 2 too.
@@ -280,11 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("json", help="testbed.acceptance's acceptance.json")
     p.add_argument("out", type=Path, help="folder for acceptance_tau.png and acceptance_calibration.png")
     p.add_argument("--training", default=None, metavar="METADATA", help="the pair's metadata.json: pair_training.png")
-    for prefix, what in (("", "acceptance run"), ("training-", "training run")):
-        for fact, example in (("run", "run O"), ("date", "2026-12-04"), ("device", "1 H200")):
-            p.add_argument(f"--{prefix}{fact}", default=None,
-                           help=f"the {what}'s {fact} for the titles (e.g. {example!r}; default: "
-                                "plot_captions.RECORDED for a checked-in file, else 'not recorded')")
+    for prefix, what in (("", "the acceptance run's"), ("training-", "the training run's")):
+        plot_captions.add_fact_options(p, what, "results/runs.json for a checked-in file, else 'not recorded'",
+                                       facts=("run", "date", "device"), prefix=prefix)
     args = p.parse_args(argv)
     plt = pyplot("plot_acceptance", "the same figures are in acceptance.json and the run's table")
     if plt is None:

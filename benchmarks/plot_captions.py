@@ -2,7 +2,8 @@
 
 Each PNG's title names the device, the target and its drafter, and the run or date; its caption's last line
 (``Reading: ...``) says what the figure shows, computed from the same JSON as the curves. The facts come from the
-JSON where it records them, else from ``RECORDED`` below (the checked-in JSONs that predate the fields), and a
+JSON where it records them, else from ``RECORDED`` (``results/runs.json``: the checked-in JSONs that predate the
+fields), and a
 command-line option (``--run``, ``--date``, ``--device``, ``--commit``) wins over both. A fact found nowhere is
 printed as "not recorded" rather than left out, so a reader sees what is missing.
 
@@ -13,30 +14,22 @@ trimmed to everything drawn.
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
-#: Facts that the checked-in JSONs under benchmarks/results/ do not carry, copied from the run tables of
-#: benchmarks/RESULTS.md (and RESULTS-archive.md for run U), keyed by the JSON's file name: bench_server.py's
-#: bench.json records no device, date or commit; kimi_round.py's JSON no date or commit of its pieces' run;
-#: testbed's JSONs say "cuda", not the card, and no date. ``pieces`` of a ``kimi_round --from-json`` output are
-#: looked up under the file it was made from. ``tau_label`` names an accept-length curve given on
+#: Facts that the checked-in JSONs under benchmarks/results/ do not carry, keyed by the JSON's file name, in
+#: results/runs.json beside them (copied from the run tables of benchmarks/RESULTS.md, and RESULTS-archive.md for
+#: run U): bench_server.py's bench.json records no device, date or commit; kimi_round.py's JSON no date or commit of
+#: its pieces' run; testbed's JSONs say "cuda", not the card, and no date. ``pieces`` of a ``kimi_round --from-json``
+#: output are looked up under the file it was made from. ``tau_label`` names an accept-length curve given on
 #: kimi_round.py's command line (its JSON records only "--tau-curve").
-RECORDED = {
-    "bench_server_kimi_marlin.json": {"run": "run L", "date": "2026-12-04", "device": "1 H200", "commit": "36498d8"},
-    "bench_server_overlap.json": {"run": "run U", "date": "2026-12-05", "device": "1 H200", "commit": "6e060e9"},
-    "bench_server_overlap_run_z.json": {"run": "run Z", "date": "2026-12-05", "device": "1 H100",
-                                        "commit": "2756001"},
-    "kimi_round.json": {"run": "run A", "date": "2026-12-04", "device": "1 H200", "commit": "47ba50b"},
-    "kimi_round_pair_tau.json": {"tau_label": "the testbed pair's measured greedy curve (run O)"},
-    "kimi_round_rtx6000_pair_tau.json": {"run": "run B",
-                                         "tau_label": "the testbed pair's measured greedy curve (run O)"},
-    "kimi_round_rtx6000_paper_tau.json": {"run": "run B"},
-    "pair_acceptance.json": {"run": "run O", "date": "2026-12-04", "device": "1 H200"},
-    "pair_metadata.json": {"run": "run M", "date": "2026-12-04", "device": "1 H200"},
-}
+RUNS_FILE = Path(__file__).resolve().parent / "results" / "runs.json"
+RECORDED = json.loads(RUNS_FILE.read_text())
 
 FACTS = ("run", "date", "device", "commit")
+#: what each fact looks like, for the plot scripts' --help
+EXAMPLES = {"run": "run Z", "date": "YYYY-MM-DD", "device": "1 H100", "commit": "a commit hash"}
 DPI = 120
 UNRECORDED = "not recorded"
 
@@ -54,7 +47,7 @@ def facts(path: str | Path | None, payload: dict | None = None, **given) -> dict
 
 
 def run_text(f: dict, *, device: bool = True) -> str:
-    """"run Z, 2026-12-05, 1 H100, commit 2756001"; a missing run or date is said to be so."""
+    """"run Z, 2026-12-05, 1 H100, commit <hash>"; a missing run or date is said to be so."""
     parts = [f.get("run") or f"run {UNRECORDED}", f.get("date") or f"date {UNRECORDED}"]
     if device:
         parts.append(f.get("device") or f"device {UNRECORDED}")
@@ -113,3 +106,11 @@ def finish(fig, title: str, out_png, plt, *, footer: str = "", legend=None, ncol
         fig.text(x0, y0 - gap, wrap(footer, width, 6.5), fontsize=6.5, color="0.3", ha="left", va="top")
     fig.savefig(out_png, dpi=DPI, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
+
+
+def add_fact_options(parser, whose: str, default: str, facts=FACTS, prefix: str = "") -> None:
+    """``--run`` / ``--date`` / ``--device`` / ``--commit`` (``facts``, each with ``prefix``): ``whose`` fact for the
+    titles; ``default`` says where it comes from when the option is not given."""
+    for fact in facts:
+        parser.add_argument(f"--{prefix}{fact}", default=None,
+                            help=f"{whose} {fact} for the titles (e.g. {EXAMPLES[fact]!r}; default: {default})")

@@ -8,7 +8,7 @@ Every figure is titled as what it is: a PROJECTION of Kimi K2.6 by the ``kimi_ro
 the assumed drafter, where its accept lengths come from (the DDTree paper's assumed curve, or one given with
 ``--tau-curve``: ``--tau-label`` names it), and a reading of its panels; a panel whose KV would not fit the card
 says so. The run's facts that the JSON does not record come from ``--run`` / ``--date`` / ``--device`` /
-``--commit`` or ``plot_captions.RECORDED``.
+``--commit`` or ``benchmarks/results/runs.json``.
 
 Needs matplotlib, which the package does not depend on; without it the script says so and exits 2 (the same
 figures are in the kimi_round report's summary table).
@@ -106,7 +106,7 @@ def _pieces(path, payload: dict, given: dict) -> dict:
 def title(payload: dict, tau_label: str | None = None, path=None, cells: list[dict] | None = None,
           **given) -> str:
     """The figure's title and caption: a projection (or an ``estimate`` for another box: its box, ESTIMATE, the
-    pricing rule and date), the run that timed its pieces (``given`` / the JSON / ``plot_captions.RECORDED`` under
+    pricing rule and date), the run that timed its pieces (``given`` / the JSON / ``benchmarks/results/runs.json`` under
     ``path``), the assumed drafter, where the accept lengths come from, and the reading of ``cells``."""
     own = plot_captions.facts(path)
     tau_label = tau_label or own.get("tau_label")
@@ -211,11 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("png", help="the PNG to write")
     p.add_argument("--tau-label", default=None,
                    help="names the accept lengths' source in the title (default: the saved curve's source, or "
-                        "plot_captions.RECORDED's for a checked-in file)")
-    for fact, example in (("run", "run A"), ("date", "2026-12-04"), ("device", "1 H200"), ("commit", "47ba50b")):
-        p.add_argument(f"--{fact}", default=None,
-                       help=f"the {fact} of the run that timed the pieces (e.g. {example!r}; default: "
-                            "plot_captions.RECORDED for a checked-in file or its --from-json source)")
+                        "results/runs.json's for a checked-in file)")
+    plot_captions.add_fact_options(p, "the pieces' run's",
+                                   "results/runs.json for a checked-in file or its --from-json source")
     args = p.parse_args(argv)
     plt = pyplot("plot_kimi_round", "the same figures are in kimi_round's summary table")
     if plt is None:

@@ -6,7 +6,7 @@
 * ``--bench``: ``bench_server.py``'s ``bench.json`` (``table``: batch -> server kind -> ``{"tok_s_per_request",
   ...}``) -> ``OUT/server_tok_s.png`` (``--bench-name``): tokens/s per request and in all against batch, one line
   per kind (plain, DFLASH and every KDTREE kind the run had). Its title names the run, date, device and commit
-  (``bench.json`` records none of them: the options give them, else ``plot_captions.RECORDED`` for the checked-in
+  (``bench.json`` records none of them: the options give them, else ``benchmarks/results/runs.json`` for the checked-in
   files; the options name the bench's run, not the Kimi round's), the toy target and its drafter, and a reading
   of the curves.
 * ``--kimi``: a ``kimi_round.py --json`` output -> ``OUT/kimi_round.png``: the modelled Kimi K2.6 round against the
@@ -194,10 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs (created if missing)")
     p.add_argument("--bench-name", default="server_tok_s.png", metavar="PNG",
                    help="file name of the bench's PNG in --out (default server_tok_s.png)")
-    for fact, example in (("run", "run Z"), ("date", "2026-12-05"), ("device", "1 H100"), ("commit", "2756001")):
-        p.add_argument(f"--{fact}", default=None,
-                       help=f"the bench's {fact} for its title (e.g. {example!r}; bench.json does not record it; "
-                            "default: plot_captions.RECORDED for a checked-in file, else 'not recorded')")
+    plot_captions.add_fact_options(p, "the bench's", "bench.json does not record it: results/runs.json for a checked-in "
+                                   "file, else 'not recorded'")
     args = p.parse_args(argv)
     if not args.bench and not args.kimi:
         p.error("give --bench, --kimi or both")
