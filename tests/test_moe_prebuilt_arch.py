@@ -80,12 +80,18 @@ def test_export_records_each_modules_target(tmp_path, monkeypatch):
         MODULE: {"target": "sm90a"}, "gptq_marlin_repack": {"target": "sm120f"}}
 
 
-def test_a_module_built_for_sm90a_is_not_planted_on_sm120(tmp_path, monkeypatch, caplog):
+def _export_then_seed_on_sm120(tmp_path, monkeypatch, caplog, built_for: str):
+    """A module built for ``built_for`` in the JIT cache, exported, then seeded on a compute capability 12.0 GPU
+    (SGLang's JIT target sm120f); returns ``(seeded, compiled)``."""
     monkeypatch.setattr(jit, "jit_cache_dir", lambda: tmp_path / "cache")
-    _cached_build(tmp_path / "cache", "sm90a")
+    _cached_build(tmp_path / "cache", built_for)
     jit.export_prebuilt(tmp_path / "export")
     caplog.set_level(logging.WARNING, logger=jit.logger.name)
-    seeded, compiled = _seed(tmp_path / "export", tmp_path, monkeypatch, (12, 0, "f"))
+    return _seed(tmp_path / "export", tmp_path, monkeypatch, (12, 0, "f"))
+
+
+def test_a_module_built_for_sm90a_is_not_planted_on_sm120(tmp_path, monkeypatch, caplog):
+    seeded, compiled = _export_then_seed_on_sm120(tmp_path, monkeypatch, caplog, "sm90a")
     assert seeded == [] and compiled == [MODULE]
     assert not (tmp_path / "build" / f"{MODULE}.so").exists()  # SGLang compiles it; nothing of sm_90a lands
     (warning,) = _warnings(caplog)
@@ -95,11 +101,7 @@ def test_a_module_built_for_sm90a_is_not_planted_on_sm120(tmp_path, monkeypatch,
 
 
 def test_the_same_target_is_seeded(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(jit, "jit_cache_dir", lambda: tmp_path / "cache")
-    _cached_build(tmp_path / "cache", "sm120f")
-    jit.export_prebuilt(tmp_path / "export")
-    caplog.set_level(logging.WARNING, logger=jit.logger.name)
-    seeded, compiled = _seed(tmp_path / "export", tmp_path, monkeypatch, (12, 0, "f"))
+    seeded, compiled = _export_then_seed_on_sm120(tmp_path, monkeypatch, caplog, "sm120f")
     assert seeded == [MODULE] and compiled == [] and not _warnings(caplog)
     assert (tmp_path / "build" / f"{MODULE}.so").read_bytes() == b"ELF for sm120f"
 
