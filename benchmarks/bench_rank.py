@@ -251,6 +251,7 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
     args, env = server_plan(kind, var, cuda_servers.free_port(), opts, out)
     record.update(command=args, env={k: v for k, v in env.items() if k not in (HOST_TIMES_ENV, ROUND_LOG_ENV)})
     server = cuda_servers.CudaServer(kind, args, out / f"{kind}.log", env)
+    prompts = lambda bs: context_prompts(bs, opts.context, seed=100 + bs)  # noqa: E731  (measure()'s requests)
     t0 = time.time()
     try:
         failed = cuda_servers.wait_all({kind: server}, timeout=max(30.0, left() - BATCH_GUESS_S))
@@ -268,11 +269,11 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
                     record.setdefault("skipped", []).append(f"batch {bs}: {left():.0f} s left, guessed {guess:.0f} s")
                     break
                 started = time.time()
-                table = bench_server.measure({kind: server}, [bs], opts.new_tokens, opts.repeats)
+                table = bench_server.measure({kind: server}, [bs], opts.new_tokens, opts.repeats, prompts=prompts)
                 record["table"][str(bs)] = table[str(bs)][kind]
                 previous = (bs, time.time() - started)
                 save()
-            record["host_times"] = bench_server.read_host_times({kind: server}, out).get(kind, {})
+            record["host_times"] = bench_server.read_host_times({kind: server}, out, prompts).get(kind, {})
         except Exception as exc:  # noqa: BLE001  (a server that dies mid-bench: recorded, the next one still runs)
             record["error"] = f"{type(exc).__name__}: {exc}\n{server.log_tail(40)}"[-3000:]
     finally:
@@ -374,8 +375,6 @@ def main(argv=None) -> int:
     save = lambda: (opts.out / "rank.json").write_text(json.dumps(report, indent=1))  # noqa: E731
     signal.signal(signal.SIGTERM, _on_sigterm)
     var = variant(opts.rank)
-    original_batch_of = bench_server.batch_of
-    bench_server.batch_of = lambda bs: context_prompts(bs, opts.context, seed=100 + bs)  # measure()'s prompts
     startup_seen = []
     try:
         for kind in opts.kinds:
@@ -391,7 +390,6 @@ def main(argv=None) -> int:
     except Stop:
         report["stopped"] = f"SIGTERM after {time.time() - start:.0f} s"
     finally:
-        bench_server.batch_of = original_batch_of
         save()
     text = format_report(report)
     (opts.out / "table.txt").write_text(text + "\n")

@@ -176,12 +176,12 @@ def batch_of(bs: int) -> list[list[int]]:
     return cuda_servers.prompts(max(bs, 9), seed=100 + bs)[:bs]
 
 
-def read_host_times(servers: dict, out: Path) -> dict:
-    """``{kind: {bs: ...}}`` from each server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/server/host_times.py``), after one
-    short request at batch 1 has made it write the last batch size it timed."""
+def read_host_times(servers: dict, out: Path, prompts=batch_of) -> dict:
+    """``{kind: {bs: ...}}`` from each server's ``KDTREE_HOST_TIMES`` file (``sglang_kdtree/server/host_times.py``),
+    after one short request at batch 1 (from ``prompts``) has made it write the last batch size it timed."""
     found = {}
     for kind, server in servers.items():
-        run_batch(server, batch_of(1), 4)
+        run_batch(server, prompts(1), 4)
         path = out / f"{kind}.host_times.json"
         if path.exists():
             found[kind] = json.loads(path.read_text())
@@ -208,15 +208,15 @@ def _log_len(server) -> int:
     return len(server.round_log.read_text().splitlines())
 
 
-def measure(servers: dict, batches, new_tokens: int, repeats: int) -> dict:
-    """Per batch size: every server's warm-up batch, then the timed batches taken in turns, one server after
+def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch_of) -> dict:
+    """Per batch size (its requests from ``prompts(bs)``): every server's warm-up batch, then the timed batches taken in turns, one server after
     another and each turn starting one server later, so that a change of the shared host's speed during the run
     falls on every server alike instead of on whichever ran last (on a host-paced target every step of one server's
     round has run 10-20 % faster or slower than its neighbour's, with the sign changing between batch sizes)."""
     table = {}
     kinds = list(servers)
     for bs in batches:
-        batch = batch_of(bs)
+        batch = prompts(bs)
         for server in servers.values():
             run_batch(server, batch, new_tokens)  # warm-up (graph sizes, allocator)
         start_lines = {kind: _log_len(server) for kind, server in servers.items()}
