@@ -37,15 +37,18 @@ def parse_launch_args(argv: list[str]) -> tuple[argparse.Namespace | None, str |
 def launch_args_problem(argv: list[str], limits: "DeviceLimits | None" = None) -> str | None:
     """Why ``python -m sglang.launch_server`` with these arguments would stop at startup, or None.
 
-    SGLang's argument parser first (an unknown flag, a bad value), then, for ``--speculative-algorithm kdtree``,
-    ``spec.validate_server_args`` (the checks the plugin runs during SGLang's argument resolution). ``limits``:
-    the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
+    SGLang's argument parser first (an unknown flag, a bad value), then ``kdtree_problem`` on what it parsed.
+    ``limits``: the GPU to judge for (``spec.device_limits``); None: this machine's, as the server would."""
+    namespace, problem = parse_launch_args(argv)
+    return problem if problem is not None else kdtree_problem(namespace, limits)
+
+
+def kdtree_problem(namespace: argparse.Namespace, limits: "DeviceLimits | None" = None) -> str | None:
+    """For ``--speculative-algorithm kdtree``: ``spec.validate_server_args`` on parsed server arguments (the checks
+    the plugin runs during SGLang's argument resolution), every problem in one block; None otherwise."""
     from sglang_kdtree import state
     from sglang_kdtree.server import spec
 
-    namespace, problem = parse_launch_args(argv)
-    if problem is not None:
-        return problem
     if not state.is_kdtree(getattr(namespace, "speculative_algorithm", None)):
         return None
     try:
@@ -70,14 +73,14 @@ def server_argv(command_line: str) -> list[str]:
 def check_launch_command(report, command_line: str, limits: "DeviceLimits | None" = None,
                          checkpoints: bool = True) -> bool:
     """Check 8, then (``checkpoints``) check 7 on the checkpoints the command names."""
-    argv = server_argv(command_line)
-    problem = launch_args_problem(argv, limits)
+    namespace, problem = parse_launch_args(server_argv(command_line))
+    if namespace is not None:
+        problem = kdtree_problem(namespace, limits)
     if problem is None:
         where = f" (for {limits.arch_name})" if limits is not None else ""
         report.ok(f"launch command: passes SGLang's argument parser and KDTREE's startup checks{where}")
     else:
         report.fail(f"launch command would not start: {problem}", "change the command line as the message says")
-    namespace, _ = parse_launch_args(argv)
     if checkpoints and namespace is not None:
         from sglang_kdtree.cli.doctor_checkpoints import check_drafter, check_target
 
