@@ -1,8 +1,9 @@
 """One Kimi K2.6 rank (``testbed/kimi_rank.py``) served on one GPU, one server at a time: the decode round, its
 startup and its memory, for ``kimi_round``'s prediction to be checked against.
 
-    python benchmarks/bench_rank.py --rank DIR --kinds plain kdtree-auto-overlap kdtree-cycle-log \
-        --batches 1 8 32 --context 4096 --new-tokens 64 --repeats 2 --widths 16,32,64 --out OUT --deadline 420
+    python benchmarks/bench_rank.py --rank DIR --kinds plain kdtree-cycle-log kdtree-auto-log \
+        --batches 1 8 32 64 --context 4096 --new-tokens 64 --repeats 2 --widths 16,32,64 --out OUT --deadline 420 \
+        [--stated-tau-json FILE|none] [--profile-batch 8 --profile-steps 12]
 
 Each server starts from the rank's configs with ``--load-format dummy`` (random weights, the Marlin repack of every
 MoE layer as with a checkpoint), ``SGLANG_KDTREE_MOE=marlin`` and ``SGLANG_SIMULATE_UNIFORM_EXPERTS=1`` (random
@@ -23,7 +24,15 @@ Per server and batch size it records:
 * startup and memory from the server log: weights (target, drafter), KV pool (slots, GiB), SGLang's graph
   captures (seconds, GiB) and KDTREE's extra verify tiers (seconds, MiB each), its round rehearsal's peak;
 * beside each cell, ``kimi_round``'s prediction for it (``predicted_rounds``, from ``--model-json``): AR for plain,
-  DFLASH, and KDTREE at each verify width, piece by piece.
+  DFLASH, and KDTREE at each verify width, piece by piece;
+* with ``--profile-batch BS``: each server's decode steps at that batch size split by kernel class
+  (``kernel_split.py``: MoE, MLA, other attention, GEMM, bookkeeping, the rest), which splits the verify forward
+  the way the model adds it up.
+
+The automatic kinds choose their width with the accept lengths of ``--stated-tau-json`` (the testbed pair's
+measured curve by default; ``SGLANG_KDTREE_WIDTH_STATED_TAU``), since random drafts predict nothing; the report
+(``rank_report.py``) turns rounds into tokens per second per request with that curve, puts the automatic width
+beside the best fixed one, overlap on beside off repeat by repeat, and the served pieces beside the model's.
 
 ``OUT/rank.json`` is rewritten after each batch size, so a call that runs out of time keeps what it measured.
 """
@@ -44,13 +53,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the CUDA harness, and this package
 import cuda_servers  # noqa: E402
 
-from benchmarks import bench_server, decode_log, server_kinds  # noqa: E402
+from benchmarks import bench_server, decode_log, kernel_split, rank_report, server_kinds  # noqa: E402
 from testbed import kimi_rank  # noqa: E402
 
 #: the kinds this bench adds to bench_server's, and the environment variables it sets (the plugin's names)
 CYCLE_PREFIX = "kdtree-cycle"
 WIDTHS_ENV, POLICY_ENV = "SGLANG_KDTREE_VERIFY_WIDTHS", "SGLANG_KDTREE_WIDTH_POLICY"
 ROUND_LOG_ENV, HOST_TIMES_ENV = "KDTREE_ROUND_LOG", "KDTREE_HOST_TIMES"
+#: the width choice's stated accept lengths (sglang_kdtree.round.width_choice.STATED_TAU_ENV; benches only) and
+#: SGLang's wait for a full batch before it profiles decode steps
+STATED_TAU_ENV, PROFILE_MIN_BS_ENV = "SGLANG_KDTREE_WIDTH_STATED_TAU", "SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS"
 PHASES = bench_server.PHASES
 #: before the first server has been timed: its startup and one batch size's measurement, seconds (guesses; the
 #: Kimi-shaped 3-layer servers took 50-140 s to start beside others)
@@ -116,6 +128,10 @@ def server_plan(kind: str, var, port: int, opts, out: Path) -> tuple[list, dict]
         env[WIDTHS_ENV] = opts.widths
     if kind.startswith(CYCLE_PREFIX):
         env[POLICY_ENV] = "cycle"
+    elif server_kinds.chooses_width(base) and getattr(opts, "stated_tau", None):
+        env[STATED_TAU_ENV] = ",".join(f"{w}={t:.4f}" for w, t in opts.stated_tau.items())
+    if getattr(opts, "profile_batch", None):
+        env[PROFILE_MIN_BS_ENV] = str(opts.profile_batch)
     if "-log" in kind:
         env[ROUND_LOG_ENV] = str(out / f"rounds-{kind}.jsonl")
     for name in (HOST_TIMES_ENV, ROUND_LOG_ENV):
@@ -246,6 +262,49 @@ def predicted_rounds(model_json: Path, shape: dict, batches, context: int, width
 # ---- the bench -----------------------------------------------------------------------------------------------
 
 
+def stated_tau(path, widths) -> dict | None:
+    """``{"source", "by_width": {w: tau(w - 1)}}`` from a tau-curve JSON (``kimi_model.load_tau_curve_json``: the
+    testbed pair's ``acceptance.json`` or ``{"curve": {...}}``) at each verify width; None for ``none``."""
+    if path is None or str(path) == "none":
+        return None
+    from benchmarks import kimi_model
+
+    curve, _ = kimi_model.load_tau_curve_json(path)
+    return {"source": str(path), "by_width": {int(w): round(curve.tau(int(w) - 1), 4) for w in widths}}
+
+
+def profile(server, bs: int, steps: int, batch: list, new_tokens: int, out: Path, wait_s: float = 120.0) -> dict:
+    """The kernels of ``steps`` decode steps at batch ``bs`` (SGLang's ``/start_profile`` by stage, GPU only: it
+    waits for a full batch, ``PROFILE_MIN_BS_ENV``), split by ``kernel_split``; the traces are deleted after."""
+    import urllib.request
+
+    folder = out / f"profile-{server.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {"output_dir": str(folder), "num_steps": steps, "activities": ["GPU"], "profile_by_stage": True,
+            "with_stack": False, "record_shapes": False, "profile_prefix": server.name}
+    req = urllib.request.Request(server.url + "/start_profile", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=60).read()
+    bench_server.run_batch(server, batch, new_tokens)
+    deadline = time.time() + wait_s
+    while time.time() < deadline:  # the decode trace is written after its last step, while the batch finishes
+        traces = sorted(folder.glob("*DECODE*.trace.json.gz"))
+        if traces:
+            time.sleep(2.0)  # let the writer close it
+            try:
+                result = {"bs": bs, "trace": traces[0].name, "split": kernel_split.split(kernel_split.read_trace(
+                    traces[0]), steps)}
+                break
+            except (OSError, EOFError, ValueError):
+                continue
+        time.sleep(1.0)
+    else:
+        result = {"bs": bs, "error": f"no decode trace in {folder} after {wait_s:.0f} s"}
+    for f in folder.glob("*.trace.json.gz"):
+        f.unlink()
+    return result
+
+
 def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
     """Start one server, measure every batch size that time allows, stop it; fills ``record`` as it goes."""
     args, env = server_plan(kind, var, cuda_servers.free_port(), opts, out)
@@ -273,6 +332,12 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
                 record["table"][str(bs)] = table[str(bs)][kind]
                 previous = (bs, time.time() - started)
                 save()
+                if bs == opts.profile_batch and left() > BATCH_GUESS_S:
+                    try:
+                        record["profile"] = profile(server, bs, opts.profile_steps, prompts(bs), opts.new_tokens, out)
+                    except Exception as exc:  # noqa: BLE001  (a profile that fails costs its cell, not the bench)
+                        record["profile"] = {"bs": bs, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                    save()
             record["host_times"] = bench_server.read_host_times({kind: server}, out, prompts).get(kind, {})
         except Exception as exc:  # noqa: BLE001  (a server that dies mid-bench: recorded, the next one still runs)
             record["error"] = f"{type(exc).__name__}: {exc}\n{server.log_tail(40)}"[-3000:]
@@ -286,61 +351,6 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
             row["round"] = round_times(row, record.get("host_times", {}).get(bs), record["decode_log"].get(bs),
                                        int(bs))
         save()
-
-
-def _f(v, fmt="{:.2f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def format_report(report: dict) -> str:
-    lines = [f"rank: {report['rank']['layers']} layers, vocab {report['rank']['vocab']:,}, context "
-             f"{report['settings']['context']}, widths {report['settings']['widths']}; round wall ms: host period "
-             "/ decode log / per request",
-             "| server | bs | host ms | log ms | request ms | model ms | accept | decode tok/s per req | ready s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    model = (report.get("model") or {}).get("cells", {})
-    if model:
-        lines.insert(0, f"model: kimi_round's pieces from {report['model']['source']} (measured on "
-                        f"{report['model']['device']}), at {report['rank']['layers']} layers, no collectives, lm_head "
-                        f"x{report['model']['lm_head_scale']:g}")
-    for kind, rec in report["servers"].items():
-        mode = {"plain": "AR", "dflash": "DFLASH"}.get(kind)
-        for bs, row in rec.get("table", {}).items():
-            r = row.get("round", {})
-            predicted = model.get(bs, {}).get(mode, {}).get("round")
-            lines.append(f"| {kind} | {bs} | {_f(r.get('host_ms'))} | {_f(r.get('log_ms'))} | "
-                         f"{_f(r.get('request_ms'))} | {_f(predicted)} | {row['accept_len']:.2f} | "
-                         f"{_f(row.get('decode_tok_s'), '{:.1f}')} | {_f(rec.get('ready_s'), '{:.0f}')} |")
-        if not rec.get("table"):
-            lines.append(f"| {kind} | - | | | | | | | {rec.get('error', rec.get('status', ''))[-120:]!r} |")
-    lines += ["", "device ms per round by verify width (round-log servers, graph rounds, medians; model: kimi_round's "
-              "draft / tree / verify / accept+commit = round for KDTREE-(width - 1))",
-              "| server | bs | width | rounds | draft | tree | verify | accept+commit | device | wall | model | "
-              "accept predicted | realised |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for kind, rec in report["servers"].items():
-        for bs, by_width in rec.get("by_width", {}).items():
-            for w, x in by_width.items():
-                m = model.get(bs, {}).get(f"KDTREE-{int(w) - 1}")
-                pred = "-" if not m else " / ".join(f"{m[p]:.2f}" for p in PHASES) + f" = {m['round']:.2f}"
-                lines.append(f"| {kind} | {bs} | {w} | {x['rounds']} | " + " | ".join(
-                    f"{x[p]:.3f}" for p in (*PHASES, "device_ms", "wall_ms")) + f" | {pred} | "
-                    f"{x['predicted']:.2f} | {x['realised']:.2f} |")
-    lines += ["", "startup and memory (server log; GiB)",
-              "| server | ready s | load s | weights target / drafter | KV slots / GiB | SGLang graphs s / GiB | "
-              "KDTREE tiers s / MiB | rehearsal peak GiB |", "|---|---|---|---|---|---|---|---|"]
-    for kind, rec in report["servers"].items():
-        log = rec.get("server_log")
-        if not log:
-            continue
-        loads = log["loads"]
-        tiers = "; ".join(f"{w}: {t['seconds']:.1f} / {t['mib']}" for w, t in log["tiers"].items()) or "-"
-        peak = log["prewarm_peak_bytes"]
-        lines.append(f"| {kind} | {_f(rec.get('ready_s'), '{:.0f}')} | {sum(x['seconds'] for x in loads):.1f} | "
-                     + " / ".join(f"{x['gib']:.2f}" for x in loads) + " | "
-                     + "; ".join(f"{k['tokens']:,} / {k['gib']:.2f}" for k in log["kv"]) + " | "
-                     f"{log['sglang_capture_s']:.1f} / {log['sglang_capture_gib']:.2f} | {tiers} | "
-                     f"{_f(None if peak is None else peak / kimi_rank.GIB)} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -361,6 +371,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model-json", type=Path, default=ROOT / "benchmarks" / "results" / "kimi_round.json",
                     help="a kimi_round.py --json measurement: its prediction goes beside each cell (default the "
                          "committed H200 one; 'none' for no prediction)")
+    ap.add_argument("--stated-tau-json", type=Path, default=ROOT / "benchmarks" / "results" / "pair_acceptance.json",
+                    help="the accept-length curve the automatic kinds choose with and the report's tokens/s use "
+                         "(default the testbed pair's measured greedy curve; 'none': the drafter's own, which "
+                         "predicts nothing on random weights)")
+    ap.add_argument("--profile-batch", type=int, default=None,
+                    help="after timing this batch size, profile --profile-steps decode steps of every server and "
+                         "split their device time by kernel class (benchmarks/kernel_split.py)")
+    ap.add_argument("--profile-steps", type=int, default=12,
+                    help="decode steps to profile (default 12: a multiple of the cycle's three widths)")
     ap.add_argument("--out", type=Path, required=True)
     opts = ap.parse_args(argv)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -369,6 +388,8 @@ def main(argv=None) -> int:
     manifest = json.loads((opts.rank / kimi_rank.MANIFEST).read_text())
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
     report = {"rank": manifest["shape"], "estimate": manifest.get("estimate"), "settings": settings, "servers": {}}
+    report["stated_tau"] = stated_tau(opts.stated_tau_json, opts.widths.split(","))
+    opts.stated_tau = (report["stated_tau"] or {}).get("by_width")
     if opts.model_json and str(opts.model_json) != "none" and opts.model_json.exists():
         report["model"] = predicted_rounds(opts.model_json, manifest["shape"], opts.batches, opts.context,
                                            opts.widths.split(","))
@@ -391,7 +412,7 @@ def main(argv=None) -> int:
         report["stopped"] = f"SIGTERM after {time.time() - start:.0f} s"
     finally:
         save()
-    text = format_report(report)
+    text = rank_report.format_report(report)
     (opts.out / "table.txt").write_text(text + "\n")
     print(text)
     return 0 if all(rec.get("table") for rec in report["servers"].values()) else 1

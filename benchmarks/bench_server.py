@@ -226,9 +226,13 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch
                 kind = kinds[(turn + i) % len(kinds)]
                 timed[kind].append(run_batch(servers[kind], batch, new_tokens))
         for kind, server in servers.items():
-            per_request, walls, accepts, first_token, decode = [], [], [], [], []
+            per_request, walls, accepts, first_token, decode, run_decode = [], [], [], [], [], []
             for wall, results in timed[kind]:
                 walls.append(wall)
+                run_rates = [float(r["meta_info"]["decode_throughput"]) for r in results
+                             if r.get("meta_info", {}).get("decode_throughput") is not None]
+                if run_rates:  # each timed batch's own median: the spread between repeats
+                    run_decode.append(statistics.median(run_rates))
                 for r in results:
                     meta = r.get("meta_info", {})
                     latency = meta.get("e2e_latency") or wall
@@ -245,7 +249,8 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch
                 "runs": repeats,
             }
             if first_token:  # --latency-split: the request's wait for its first token, then its decode rate
-                row.update(first_token_ms=statistics.median(first_token), decode_tok_s=statistics.median(decode))
+                row.update(first_token_ms=statistics.median(first_token), decode_tok_s=statistics.median(decode),
+                           decode_tok_s_runs=run_decode)
             rounds = _rounds(server, start_lines[kind], bs)
             if rounds:
                 split = {p: statistics.median(r["ms"][p] for r in rounds) for p in PHASES}

@@ -11,16 +11,19 @@
 #
 # The call, from the repo root, after `python device/device_carry.py` (slimmed wheels + prebuilt Marlin JIT modules):
 #   run(command="bash device/device_rank.sh", carry=[".dev-carry"], timeout_s=600)
-# Knobs: LAYERS (default 61, Kimi's own, on a card of 120 GiB or more (an H200: about 100 GiB by kimi_rank's
-#   estimate for a KDTREE server with KV for batch 32 at 4k), else 40 (about 72 GiB: an H100's 78 holds it); the
-#   report gives per-layer figures either way; `python -m testbed.kimi_rank --estimate` prints the table),
-#   RANK_KINDS (bench_rank.py --kinds, default "plain kdtree-auto-overlap kdtree-cycle-log": one server at a time,
-#   each skipped when the deadline cannot hold its startup; "plain kdtree-cycle-log kdtree-auto-log" for the device
-#   split by width and the automatic choice's widths; "plain kdtree-15-overlap kdtree-31-overlap kdtree-63-overlap"
-#   for pinned widths' wall time),
-#   WIDTHS (tiers of the automatic and cycle kinds, default 16,32,64), BATCHES (default "1 8 32"), CONTEXT (prompt
+# Knobs: LAYERS (default: the most, up to Kimi's 61, that kimi_rank's memory estimate fits in the card less
+#   RANK_SPARE_GIB (default 15) with KV for the largest batch at CONTEXT and the WIDTHS tiers: 54 on an H200 at
+#   batch 64, 27 on an H100 at batch 32; the report gives per-layer figures either way; `python -m
+#   testbed.kimi_rank --estimate --gpu-gib G --max-batch B` prints the table),
+#   RANK_KINDS (bench_rank.py --kinds, default "plain kdtree-cycle-log kdtree-auto-log": one server at a time,
+#   each skipped when the deadline cannot hold its startup; "kdtree-auto-overlap kdtree-auto" with BATCHES="1 32"
+#   REPEATS=3 for overlap on against off; "plain kdtree-15-overlap kdtree-31-overlap kdtree-63-overlap" for pinned
+#   widths' wall time),
+#   WIDTHS (tiers of the automatic and cycle kinds, default 16,32,64), BATCHES (default "1 8 32 64"), CONTEXT (prompt
 #   tokens, default 4096), NEW_TOKENS (default 64), REPEATS (timed batches per size, default 2), MEM_FRACTION
-#   (--mem-fraction-static, default 0.85), RANK_ARGS (more bench_rank.py options), JIT_SEED_WHICH (prebuild_jit.py
+#   (--mem-fraction-static, default 0.85), PROFILE_BATCH (profile each server's decode steps at this batch size
+#   and split them by kernel class: bench_rank.py --profile-batch), RANK_ARGS (more bench_rank.py options, e.g.
+#   --stated-tau-json none), KDTREE_DEVICE_PROFILE=sm_120 (every KDTREE launch held to sm_120's limits), JIT_SEED_WHICH (prebuild_jit.py
 #   --which for the seed, default repack,kdtree: the Marlin modules SGLANG_KDTREE_MOE=marlin loads; a module the seed
 #   lacks compiles for about 6 minutes), DEADLINE (s, default 575: the table prints before it), COMMIT (the commit
 #   the carried tree is, for commit.txt).
@@ -38,13 +41,14 @@ else
   echo "WARNING: no prebuilt JIT modules ($JIT_SEED): each server compiles Marlin for minutes" >> "$OUT/steps.txt"
 fi
 
-# Kimi's 61 layers where the card holds them (an H200: about 100 GiB by kimi_rank's estimate), else 40 (an H100)
+# as many of Kimi's 61 layers as the card holds by the estimate, with RANK_SPARE_GIB to spare beyond its 5
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-if [ -z "${LAYERS:-}" ]; then
-  LAYERS=40; [ "${GPU_MIB:-0}" -ge 122880 ] && LAYERS=61
-fi
+BATCHES=${BATCHES:-1 8 32 64}
+MAX_BS=$(echo "$BATCHES" | tr ' ' '\n' | sort -n | tail -1)
+RANK_GIB=$(( ${GPU_MIB:-81920} / 1024 - ${RANK_SPARE_GIB:-15} + 5 ))
 RANK=/tmp/kimi_rank
-step rank_build 120 python3 -m testbed.kimi_rank --out "$RANK" --layers "$LAYERS"
+step rank_build 120 python3 -m testbed.kimi_rank --out "$RANK" --layers "${LAYERS:-auto}" --gpu-gib "$RANK_GIB" \
+  --max-batch "$MAX_BS" --tiers "${WIDTHS:-16,32,64}"
 cp "$RANK/RANK_MANIFEST.json" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 bash device/commit_stamp.sh > "$OUT/commit.txt"
@@ -54,8 +58,8 @@ bash device/commit_stamp.sh > "$OUT/commit.txt"
 CAP=$(( $(left) - 40 ))
 # shellcheck disable=SC2086
 step bench "$CAP" python3 benchmarks/bench_rank.py --rank "$RANK" --out "$LOGS/rank" \
-  --kinds ${RANK_KINDS:-plain kdtree-auto-overlap kdtree-cycle-log} --widths "${WIDTHS:-16,32,64}" \
-  --batches ${BATCHES:-1 8 32} --context "${CONTEXT:-4096}" --new-tokens "${NEW_TOKENS:-64}" \
+  --kinds ${RANK_KINDS:-plain kdtree-cycle-log kdtree-auto-log} --widths "${WIDTHS:-16,32,64}" \
+  ${PROFILE_BATCH:+--profile-batch "$PROFILE_BATCH"} --batches $BATCHES --context "${CONTEXT:-4096}" --new-tokens "${NEW_TOKENS:-64}" \
   --repeats "${REPEATS:-2}" --mem-fraction "${MEM_FRACTION:-0.85}" --deadline $(( CAP - 20 )) ${RANK_ARGS:-}
 
 cp "$LOGS/rank/rank.json" "$LOGS/rank/table.txt" "$OUT/" 2>/dev/null

@@ -52,15 +52,16 @@ DEFAULT_LAYERS = 40
 #: the environment every rank server runs with (plain, DFLASH and KDTREE alike)
 SERVER_ENV = {"SGLANG_KDTREE_MOE": "marlin", "SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"}
 SERVER_FLAGS = ("--load-format", "dummy")
-#: verify-graph memory per verify row (batch x width): 2.36 MB measured on the one-GPU Kimi-shaped target
-#: (docs/sm120.md, run AB: 7.24 GB for width 64 at batches up to 48; hidden 256), mostly full-vocabulary logits and
-#: so independent of the layers (a graph's pool is reused layer after layer), plus about 0.25 MB of the rank's
-#: hidden-7168 activations per row (the eight routed outputs of 7168 bf16 alone are 115 KB)
-VERIFY_ROW_BYTES = 2.6e6
-#: what the estimate adds beyond weights, KV and verify graphs (GiB): CUDA context and cuBLAS workspaces; SGLang's
-#: decode-graph pool (1.57 GB at run AB); KDTREE's round buffers kept from its startup rehearsal (batch 32 x width
-#: 64 fp32 logits, 1.3 GB); prefill activations at an 8,192-token chunk with the drafter's captured features
-OVERHEAD_GIB = {"cuda_context": 1.0, "decode_graph_pool": 1.5, "round_buffers": 1.5, "prefill_activations": 2.0}
+#: verify-graph memory per verify row (batch x width), measured on this rank (40 layers, batches 1 / 8 / 32 captured,
+#: one H100): SGLang's own verify graphs 9.99 GB at width 64 (4.9 MB a row) and 4.85 GB at 32; the extra tiers
+#: 2.2 GB at 16 and 4.4 GB at 32 (4.3 MB a row). Mostly full-vocabulary logits and the routed experts'
+#: activations, so independent of the layers (a graph's pool is reused layer after layer); the largest batch's
+#: graphs set the pool.
+VERIFY_ROW_BYTES = 4.9e6
+#: what the estimate adds beyond weights, KV, verify graphs and the round's buffers (GiB): CUDA context and cuBLAS
+#: workspaces; SGLang's decode-graph pool (1.57 GB at run AB); prefill activations at an 8,192-token chunk with the
+#: drafter's captured features
+OVERHEAD_GIB = {"cuda_context": 1.0, "decode_graph_pool": 1.5, "prefill_activations": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +157,9 @@ def kv_bytes_per_token(s: RankShape) -> int:
 
 def kv_tokens(max_batch: int, context: int, new_tokens: int = 64, max_width: int = 64) -> int:
     """KV slots for ``max_batch`` requests of ``context`` prompt tokens decoding ``new_tokens`` with verify rows of
-    up to ``max_width`` (and as many again of headroom), rounded up to 1,024."""
-    need = max_batch * (context + new_tokens + 2 * max_width)
+    up to ``max_width``, and seven widths more of headroom, rounded up to 1,024 (with two widths, a KDTREE server at
+    widths 16 / 32 admitted 29 of 32 requests at 4k and ran the other 3 after them)."""
+    need = max_batch * (context + new_tokens + 8 * max_width)
     return -(-need // 1024) * 1024
 
 
@@ -170,7 +172,9 @@ def estimate(s: RankShape, max_batch: int = 32, context: int = 4096, tiers=(16, 
     tokens = kv_tokens(max_batch, context, new_tokens, max(tiers))
     parts = {"target_weights": target / GIB, "drafter_weights": w["drafter"] / GIB,
              "kv_pool": tokens * kv_bytes_per_token(s) / GIB,
-             "verify_graphs": max_batch * sum(tiers) * VERIFY_ROW_BYTES / GIB, **OVERHEAD_GIB}
+             "verify_graphs": max_batch * sum(tiers) * VERIFY_ROW_BYTES / GIB,
+             # KDTREE's round buffers kept from its startup rehearsal: the largest batch x width of fp32 logits
+             "round_buffers": max_batch * max(tiers) * s.vocab * 4 / GIB, **OVERHEAD_GIB}
     per_layer = (w["attention_per_layer"] + w["routed_experts_per_layer"] + w["moe_rest_per_layer"]
                  + tokens * (s.kv_lora + s.qk_rope) * 2) / GIB
     return {"gib": {k: round(v, 3) for k, v in parts.items()}, "total_gib": round(sum(parts.values()), 2),
@@ -302,14 +306,17 @@ def main(argv=None) -> int:
     ap.add_argument("--estimate", action="store_true", help="print the memory estimate by layer count and exit")
     ap.add_argument("--gpu-gib", type=float, default=H100_GIB,
                     help=f"GPU memory for --estimate and --layers auto (default {H100_GIB})")
+    ap.add_argument("--max-batch", type=int, default=32, help="largest batch for --estimate and --layers auto")
+    ap.add_argument("--tiers", default="16,32,64", help="verify widths for --estimate and --layers auto")
     args = ap.parse_args(argv)
+    fit = {"max_batch": args.max_batch, "tiers": tuple(int(w) for w in args.tiers.split(","))}
     if args.estimate:
-        print(format_estimate(args.gpu_gib))
+        print(format_estimate(args.gpu_gib, **fit))
         return 0
     if args.out is None:
         ap.error("--out is required (or --estimate)")
     if args.layers == "auto":
-        layers = largest_fit(args.gpu_gib)
+        layers = largest_fit(args.gpu_gib, **fit)
         if layers < 4:
             ap.error(f"--layers auto: no layer count fits {args.gpu_gib:g} GiB by the estimate")
     else:

@@ -156,15 +156,28 @@ def test_rank_servers_are_bench_server_kinds_resized(bench, tiny, tmp_path):
     assert _flag(plain, "--cuda-graph-bs-decode") == ["1", "8", "32"]
     assert _flag(plain, "--max-running-requests") == ["32"]
     assert int(_flag(plain, "--max-total-tokens")[0]) == kimi_rank.kv_tokens(32, 4096, 64, 64)
+    assert kimi_rank.kv_tokens(32, 4096, 64, 64) >= 32 * (4096 + 64 + 8 * 64)
     assert "--disable-overlap-schedule" not in plain and "--enable-metrics" in plain
     assert env["SGLANG_SIMULATE_UNIFORM_EXPERTS"] == "1" and env["SGLANG_KDTREE_MOE"] == "marlin"
     assert env["KDTREE_HOST_TIMES"].endswith("plain.host_times.json") and "KDTREE_ROUND_LOG" not in env
     auto, env = bench.server_plan("kdtree-auto-overlap", var, 1234, _opts(), tmp_path)
     assert "--speculative-num-draft-tokens" not in auto and "--disable-overlap-schedule" not in auto
     assert env["SGLANG_KDTREE_VERIFY_WIDTHS"] == "16,32,64" and "SGLANG_KDTREE_WIDTH_POLICY" not in env
-    cycle, env = bench.server_plan("kdtree-cycle-log", var, 1234, _opts(), tmp_path)
+    assert "SGLANG_KDTREE_WIDTH_STATED_TAU" not in env and "SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS" not in env
+    stated = bench.stated_tau(Path(__file__).resolve().parents[1] / "benchmarks/results/pair_acceptance.json",
+                              ["16", "32", "64"])
+    assert set(stated["by_width"]) == {16, 32, 64} and bench.stated_tau("none", ["16"]) is None
+    curve = json.loads((Path(stated["source"])).read_text())["curve"]
+    assert stated["by_width"][32] == pytest.approx(curve["31"], abs=1e-4)  # width 32 = budget 31
+    auto, env = bench.server_plan("kdtree-auto-log", var, 1234, _opts(stated_tau=stated["by_width"], profile_batch=8),
+                                  tmp_path)
+    from sglang_kdtree.round.width_choice import parse_stated_tau
+
+    assert parse_stated_tau(env[bench.STATED_TAU_ENV], (16, 32, 64)) == pytest.approx(stated["by_width"], abs=1e-4)
+    assert env["SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS"] == "8"
+    cycle, env = bench.server_plan("kdtree-cycle-log", var, 1234, _opts(stated_tau={16: 2.0}), tmp_path)
     assert _flag(cycle, "--speculative-algorithm") == ["kdtree"] and "--disable-overlap-schedule" in cycle
-    assert env["SGLANG_KDTREE_WIDTH_POLICY"] == "cycle"
+    assert env["SGLANG_KDTREE_WIDTH_POLICY"] == "cycle" and bench.STATED_TAU_ENV not in env  # the cycle ignores it
     assert env["KDTREE_ROUND_LOG"].endswith("rounds-kdtree-cycle-log.jsonl")
     pinned, env = bench.server_plan("kdtree-31-overlap", var, 1234, _opts(batches=[8]), tmp_path)
     assert _flag(pinned, "--speculative-num-draft-tokens") == ["32"] and "SGLANG_KDTREE_VERIFY_WIDTHS" not in env
@@ -227,7 +240,9 @@ def test_round_log_by_width_and_the_report(bench, tmp_path):
               "servers": {"kdtree-cycle-log": {"ready_s": 130.0, "table": {"8": dict(row, round=times)},
                                                "by_width": by, "server_log": bench.read_server_log(SERVER_LOG)},
                           "kdtree-auto-overlap": {"status": "skipped: 10 s left"}}}
-    text = bench.format_report(report)
+    from benchmarks import rank_report
+
+    text = rank_report.format_report(report)
     assert "| kdtree-cycle-log | 8 | 19.50 | 20.00 | 20.00 | - | 2.00 | 100.0 | 130 |" in text
     assert "| kdtree-cycle-log | 8 | 64 | 1 |" in text and "skipped: 10 s left" in text
     assert "137,216 / 5.89" in text and "16: 6.1 / 1210" in text

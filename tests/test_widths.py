@@ -15,7 +15,7 @@ from sglang_kdtree.server import spec
 from sglang_kdtree.round import widths
 from sglang_kdtree.reference.backend import ReferenceBackend
 from sglang_kdtree.state import Geometry, RoundShape
-from sglang_kdtree.round.width_choice import WidthChooser
+from sglang_kdtree.round.width_choice import STATED_TAU_ENV, WidthChooser, parse_stated_tau
 
 
 def _draft(rng, bs, depth, vocab, ties=False):
@@ -269,6 +269,31 @@ def test_the_choice_explores_every_tier_then_takes_the_best_rate():
     assert max(rate, key=rate.get) == 8
     assert set(chosen[10:]) == {8}
     assert chooser.last["width"] == 8 and chooser.last["realised"] >= 1.0 and chooser.last["round_ms"] == 1100.0
+
+
+@pytest.mark.parametrize("stated, seconds, want", [
+    ({4: 2.0, 8: 3.0, 16: 3.5}, {4: 1.0, 8: 1.4, 16: 2.0}, 8),  # rates 2.0 / 2.14 / 1.75
+    ({4: 2.0, 8: 3.0, 16: 5.0}, {4: 1.0, 8: 1.4, 16: 2.0}, 16),  # rates 2.0 / 2.14 / 2.5
+    ({4: 2.0, 8: 2.0, 16: 2.0}, {4: 1.0, 8: 1.0, 16: 1.0}, 4),  # ties: the smaller
+])
+def test_a_stated_curve_replaces_the_drafters_expectation(stated, seconds, want):
+    """The bench hook: the choice follows the stated accept lengths under the measured times, whatever the
+    drafter claims (p = q = 0.7 here would pick 8 under the first times) and whatever is realised."""
+    clock = _Clock()
+    chooser = WidthChooser((4, 8, 16), timer=clock, stated_tau=stated)
+    chosen = _choose_rounds(chooser, clock, seconds, 40, np.random.default_rng(3))
+    assert chosen[:6] == [4, 4, 8, 8, 16, 16] and set(chosen[10:]) == {want}
+    assert chooser.expected_tokens() == stated
+
+
+def test_parse_stated_tau_refuses_what_it_cannot_use():
+    assert parse_stated_tau(None, (16, 32)) is None and parse_stated_tau(" ", (16, 32)) is None
+    assert parse_stated_tau("32=6.5,16=6.03", (16, 32)) == {16: 6.03, 32: 6.5}
+    for bad, says in (("16=6,32", "is not WIDTH=TAU"), ("16=0.5,32=2", "needs a tau"), ("16=x,32=2", "is not WIDTH=TAU"),
+                      ("16=6", "server's verify widths are [16, 32]"), ("16=6,32=7,64=8", "states widths")):
+        with pytest.raises(ValueError, match=STATED_TAU_ENV) as err:
+            parse_stated_tau(bad, (16, 32))
+        assert says in str(err.value)
 
 
 def test_a_choice_sees_only_the_rounds_that_have_landed():

@@ -21,6 +21,12 @@ no host synchronisation:
 The choice is ``widths.best_width`` of those two. ``policy="cycle"`` instead steps through the tiers round by round
 (tests and diagnostics: outputs must not depend on the width). One tier: that width, always.
 
+``$SGLANG_KDTREE_WIDTH_STATED_TAU`` (``STATED_TAU_ENV``; benches and tests only, never for serving) replaces the
+expected tokens per round by a stated accept length per tier (``"16=6.0,32=6.5,64=7.0"``, width = tau): a target
+with random weights accepts nothing and its drafter predicts nothing, so a bench on it judges the choice under
+the served round times with an accept-length curve it states (``benchmarks/bench_rank.py``). Round times are
+measured as always; outputs do not change (the width never changes them).
+
 Statistics land late, and nothing waits for them: ``start`` marks a round's start, ``record`` issues the round's
 statistics as one small non-blocking device-to-host copy into a ring of pinned buffers and marks its end, and
 ``settle`` (called before each ``choose``) folds in, oldest first, the rounds whose end has passed on the
@@ -49,6 +55,29 @@ PRIOR_TOKENS = 4.0
 TIME_WEIGHT = 0.25
 #: rounds of a cell between two re-timings of its stalest tier
 REFRESH_ROUNDS = 256
+#: benches and tests only: stated expected tokens per round by tier instead of the drafter's (module docstring)
+STATED_TAU_ENV = "SGLANG_KDTREE_WIDTH_STATED_TAU"
+
+
+def parse_stated_tau(text: str | None, tiers) -> dict | None:
+    """``"16=6.0,32=6.5"`` -> ``{16: 6.0, 32: 6.5}`` covering exactly ``tiers``; None or blank -> None.
+    ValueError naming ``STATED_TAU_ENV`` for a malformed entry, a tau below 1, or a tier set that differs."""
+    if text is None or not text.strip():
+        return None
+    fix = f"e.g. {STATED_TAU_ENV}=" + ",".join(f"{w}={6 + i / 2:.1f}" for i, w in enumerate(sorted(tiers)))
+    stated = {}
+    for part in text.split(","):
+        w, sep, tau = part.partition("=")
+        try:
+            stated[int(w)] = float(tau)
+        except ValueError:
+            raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r}: {part!r} is not WIDTH=TAU; {fix}") from None
+        if not sep or not stated[int(w)] >= 1.0:
+            raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r}: {part!r} needs a tau of at least 1; {fix}")
+    if sorted(stated) != sorted(int(w) for w in tiers):
+        raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r} states widths {sorted(stated)}, the server's verify "
+                         f"widths are {sorted(int(w) for w in tiers)}; {fix}")
+    return stated
 
 
 def _bucket(x: float) -> int:
@@ -69,11 +98,13 @@ class _Cell:
 class WidthChooser:
     """The per-round width choice of one worker (module docstring)."""
 
-    def __init__(self, tiers, policy: str = "auto", device="cpu", log_stats: bool = False, timer=None):
+    def __init__(self, tiers, policy: str = "auto", device="cpu", log_stats: bool = False, timer=None,
+                 stated_tau: dict | None = None):
         if policy not in POLICIES:
             raise ValueError(f"KDTREE: {POLICY_ENV}={policy!r} is not one of {', '.join(POLICIES)}")
         self.tiers = tuple(sorted(int(w) for w in tiers))
         self.policy = policy
+        self.stated_tau = dict(stated_tau) if stated_tau else None
         self.device = torch.device(device)
         # one pinned width needs no statistics, except for the round log's record
         self.keep_stats = len(self.tiers) > 1 or log_stats
@@ -109,7 +140,10 @@ class WidthChooser:
         return ratios
 
     def expected_tokens(self) -> dict | None:
-        """Calibrated expected committed tokens per request at each tier, or None before any round settled."""
+        """Calibrated expected committed tokens per request at each tier, or None before any round settled; the
+        stated accept lengths instead when the chooser was given some."""
+        if self.stated_tau is not None:
+            return dict(self.stated_tau)
         if self.expected_n <= 0:
             return None
         ratios = self.calibration()

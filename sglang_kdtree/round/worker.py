@@ -74,7 +74,7 @@ from sglang_kdtree.round.result import round_result
 from sglang_kdtree.round.tree_step import topk_and_tree
 from sglang_kdtree.round.verify import verify
 from sglang_kdtree.round.verify_tiers import VerifyTiers, server_tiers
-from sglang_kdtree.round.width_choice import POLICY_ENV, WidthChooser
+from sglang_kdtree.round.width_choice import POLICY_ENV, STATED_TAU_ENV, WidthChooser, parse_stated_tau
 from sglang_kdtree.server import host_times, sync_debug
 from sglang_kdtree.server.prewarm import prewarm_round, rehearse_round  # noqa: F401  (rehearse_round: re-exported)
 
@@ -139,8 +139,12 @@ class KDTreeWorker(DFlashWorkerV2):
         self.backend = select_backend(self.device)
         # opt-in diagnostics (round_log) and test-only fault injection (round_faults), off unless set
         self._round_log = os.environ.get(round_log.ROUND_LOG_ENV) or None
+        stated = parse_stated_tau(os.environ.get(STATED_TAU_ENV), self.geometry.tiers)
+        if stated is not None:
+            logger.warning("KDTREE: %s is set: the width choice takes these stated accept lengths, not the drafter's "
+                           "(benches and tests only): %s", STATED_TAU_ENV, stated)
         self.chooser = WidthChooser(self.geometry.tiers, os.environ.get(POLICY_ENV) or "auto", self.device,
-                                    log_stats=self._round_log is not None)
+                                    log_stats=self._round_log is not None, stated_tau=stated)
         # under TP every rank ends the same faulty requests and verifies the same width (rank 0's when the choice
         # depends on timings); None: one rank, or a choice every rank makes alike
         from sglang.srt.runtime_context import get_parallel
