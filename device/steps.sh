@@ -64,14 +64,21 @@ ensure_pair() {
 # it servers started side by side miss their start timeout). Exports PYTHONPATH and SGLANG_JIT_CACHE_DIR; sets
 # JIT_SEED, the folder of prebuilt Marlin JIT modules a caller seeds from.
 install_carry() {
-  local wheels jit_server check
+  local wheels jit_server check stamp
   # shellcheck disable=SC2034  # JIT_SEED is for the callers
   if [ -d .dev-carry/whl ]; then
     wheels=(.dev-carry/whl/*.whl); JIT_SEED=.dev-carry/jit; jit_server=.dev-carry
   else
     wheels=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; jit_server=.jitcache-server
   fi
-  step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
+  # a warm machine (a call right after another) keeps /tmp/site: the same wheels are not installed twice
+  stamp=$(ls -l "${wheels[@]}" 2>/dev/null | md5sum | cut -c1-16)
+  if [ -f /tmp/site/.carry-stamp ] && [ "$(cat /tmp/site/.carry-stamp)" = "$stamp" ]; then
+    echo "install kept: /tmp/site holds these wheels (warm machine)" >> "$OUT/steps.txt"
+  else
+    step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
+      && echo "$stamp" > /tmp/site/.carry-stamp
+  fi
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
   step editable 90 python3 -m pip install --no-deps --no-build-isolation -e .
   check="

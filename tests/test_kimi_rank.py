@@ -262,3 +262,49 @@ def test_model_prediction_is_kimi_round_at_the_ranks_layers(bench):
     assert wide["round"] == pytest.approx(sum(wide[p] for p in ("draft", "tree", "verify", "accept_commit")), abs=1e-3)
     ar = model["cells"]["1"]["AR"]
     assert ar["draft"] == 0 and ar["width"] == 1 and ar["round"] < model["cells"]["1"]["KDTREE-15"]["round"]
+
+
+def test_profile_asks_sglang_for_decode_steps_and_splits_the_trace(bench, tmp_path):
+    """``bench_rank.profile`` against a stand-in server: the /start_profile body it sends, the batch it runs, the
+    decode trace it waits for and splits, and the traces it deletes after."""
+    import gzip
+    import http.server
+    import threading
+
+    bodies = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            bodies.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Start profiling.\n")
+
+        def log_message(self, *_):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class Server:  # the CudaServer calls profile makes: name, url, generate
+        name, url = "plain", f"http://127.0.0.1:{httpd.server_address[1]}"
+
+        def generate(self, payload):
+            folder = Path(bodies[-1][1]["output_dir"])
+            events = [{"cat": "kernel", "name": "Marlin", "ts": 0, "dur": 600},
+                      {"cat": "kernel", "name": "nvjet_x", "ts": 600, "dur": 400}]
+            for stage in ("EXTEND", "DECODE"):
+                with gzip.open(folder / f"plain-1-TP-0-{stage}.trace.json.gz", "wt") as f:
+                    json.dump({"traceEvents": events}, f)
+            return {"output_ids": [1], "meta_info": {}}
+
+    try:
+        out = bench.profile(Server(), 8, 2, [[1, 2, 3]], 4, tmp_path, wait_s=10)
+    finally:
+        httpd.shutdown()
+    path, body = bodies[0]
+    assert path == "/start_profile" and body["num_steps"] == 2 and body["profile_by_stage"] is True
+    assert body["activities"] == ["GPU"] and body["with_stack"] is False
+    assert out["bs"] == 8 and out["trace"].endswith("DECODE.trace.json.gz")
+    assert out["split"]["ms"]["moe"] == 0.3 and out["split"]["ms"]["gemm"] == 0.2
+    assert not list((tmp_path / "profile-plain").glob("*.gz"))  # the traces are not kept

@@ -18,9 +18,9 @@ from server_requests import PROMPTS, TIERS, _concurrent, _greedy, _kdtree_args
 pytestmark = pytest.mark.slow
 
 
-def _serve(plain_server, tiny_models, server_logs, policy: str):
-    """Greedy outputs of the plain server and of a KDTREE server choosing among ``TIERS`` with ``policy``, and the
-    KDTREE server's round log."""
+def _serve(plain_server, tiny_models, server_logs, policy: str, env: dict | None = None):
+    """Greedy outputs of the plain server and of a KDTREE server choosing among ``TIERS`` with ``policy`` (and
+    ``env``), and the KDTREE server's round log."""
     name = plain_server.model_name
     payloads = [_greedy(p) for p in PROMPTS]
     plain = _concurrent(plain_server, payloads)
@@ -29,7 +29,7 @@ def _serve(plain_server, tiny_models, server_logs, policy: str):
     server = start_server(tiny_models / name, server_logs, extra=_kdtree_args(tiny_models, name, None),
                           name=f"kdtree-widths-{policy}-{name}",
                           env={"SGLANG_KDTREE_VERIFY_WIDTHS": TIERS, "SGLANG_KDTREE_WIDTH_POLICY": policy,
-                               "KDTREE_ROUND_LOG": str(log)})
+                               "KDTREE_ROUND_LOG": str(log), **(env or {})})
     try:
         server.wait_ready()
         spec = _concurrent(server, payloads)
@@ -52,3 +52,18 @@ def test_widths_forced_to_change_every_round_stay_exact(plain_server, tiny_model
         assert 1 <= r["width"]["realised"] <= r["width"]["width"]
     tiers = rounds[-1]["tiers"]
     assert sum(t["verifies"] for t in tiers.values()) == len(rounds)
+
+
+@pytest.mark.extended
+def test_a_stated_accept_curve_starts_a_server_that_stays_exact(plain_server, tiny_models, server_logs):
+    """The benches' hook (``SGLANG_KDTREE_WIDTH_STATED_TAU``) on a real server: it starts, says so in its log, explores
+    every tier as usual and serves the plain server's output. The choice it steers is tested in tests/test_widths.py
+    (this server's few rounds per (batch, context) cell are all exploration)."""
+    widths = sorted(int(w) for w in TIERS.split(","))
+    stated = ",".join(f"{w}={50.0 if w == widths[-1] else 1.0}" for w in widths)
+    plain, spec, rounds = _serve(plain_server, tiny_models, server_logs, "auto",
+                                 {"SGLANG_KDTREE_WIDTH_STATED_TAU": stated})
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    assert [r["width"]["width"] for r in rounds[:6]] == [w for w in widths for _ in range(2)]
+    log = max(server_logs.glob(f"kdtree-widths-auto-{plain_server.model_name}-*.log"), key=lambda f: f.stat().st_mtime)
+    assert "SGLANG_KDTREE_WIDTH_STATED_TAU is set" in log.read_text()
