@@ -1,6 +1,6 @@
 """One GPU's share of Kimi K2.6 at TP 8 (a "rank"), as configs that SGLang serves with random weights.
 
-    python -m testbed.kimi_rank --out DIR [--layers 40] [--vocab 163840] [--max-positions 32768]
+    python -m testbed.kimi_rank --out DIR [--layers 34|auto] [--vocab 163840] [--max-positions 32768]
     python -m testbed.kimi_rank --out DIR --tiny-for-cpu          (4 layers, vocab 4096: the CPU test's build)
     python -m testbed.kimi_rank --estimate [--gpu-gib 78]         (memory by layer count, nothing written)
 
@@ -46,9 +46,10 @@ E2E = REPO / "tests" / "e2e"
 GIB = 2 ** 30
 TARGET_DIR, DRAFT_DIR, MANIFEST = "target", "drafter", "RANK_MANIFEST.json"
 #: the H100's usable memory as the device tool states it, and the layer count chosen to fit it (``estimate``:
-#: 40 layers leave about 6 GiB of it free with KV for batch 32 at context 4k and verify tiers 16 / 32 / 64)
+#: 34 layers leave 5 GiB of it free with KV for batch 32 at context 4k and verify tiers 16 / 32 / 64; 40 layers
+#: with those tiers ran out of memory on the H100)
 H100_GIB = 78.0
-DEFAULT_LAYERS = 40
+DEFAULT_LAYERS = 34
 #: the environment every rank server runs with (plain, DFLASH and KDTREE alike)
 SERVER_ENV = {"SGLANG_KDTREE_MOE": "marlin", "SGLANG_SIMULATE_UNIFORM_EXPERTS": "1"}
 SERVER_FLAGS = ("--load-format", "dummy")
@@ -298,7 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="folder for target/, drafter/ and the manifest")
     ap.add_argument("--layers", default=None,
                     help=f"target layers (default {DEFAULT_LAYERS}, which fits an H100 with KV for batch 32 at 4k; "
-                         "61 is Kimi K2.6's, about 100 GiB in all: an H200), or 'auto': the most, up to 61, that "
+                         "61 is Kimi K2.6's, about 108 GiB in all at batch 32: an H200), or 'auto': the most, up to 61, that "
                          "leave 5 GiB of --gpu-gib free by the estimate")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default Kimi's 163,840)")
     ap.add_argument("--max-positions", type=int, default=32_768, help="context the configs allow (default 32768)")
