@@ -156,7 +156,7 @@ def test_rank_servers_are_bench_server_kinds_resized(bench, tiny, tmp_path):
     assert _flag(plain, "--cuda-graph-bs-decode") == ["1", "8", "32"]
     assert _flag(plain, "--max-running-requests") == ["32"]
     assert int(_flag(plain, "--max-total-tokens")[0]) == kimi_rank.kv_tokens(32, 4096, 64, 64)
-    assert kimi_rank.kv_tokens(32, 4096, 64, 64) >= 32 * (4096 + 64 + 8 * 64)
+    assert kimi_rank.kv_tokens(32, 4096, 64, 64) >= 32 * (4096 + 64 + 16 * 64)
     assert "--disable-overlap-schedule" not in plain and "--enable-metrics" in plain
     assert env["SGLANG_SIMULATE_UNIFORM_EXPERTS"] == "1" and env["SGLANG_KDTREE_MOE"] == "marlin"
     assert env["KDTREE_HOST_TIMES"].endswith("plain.host_times.json") and "KDTREE_ROUND_LOG" not in env
