@@ -64,9 +64,9 @@ ROUND_LOG_ENV, HOST_TIMES_ENV = "KDTREE_ROUND_LOG", "KDTREE_HOST_TIMES"
 #: SGLang's wait for a full batch before it profiles decode steps
 STATED_TAU_ENV, PROFILE_MIN_BS_ENV = "SGLANG_KDTREE_WIDTH_STATED_TAU", "SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS"
 PHASES = bench_server.PHASES
-#: before the first server has been timed: its startup and one batch size's measurement, seconds (guesses; the
-#: Kimi-shaped 3-layer servers took 50-140 s to start beside others)
-STARTUP_GUESS_S, BATCH_GUESS_S = 200.0, 30.0
+#: before the first server has been timed: its startup and one batch size's measurement, seconds (guesses; rank
+#: servers of 12 layers were ready in 46-87 s on an H100, alone)
+STARTUP_GUESS_S, BATCH_GUESS_S = 100.0, 30.0
 #: a stopping server's grace before SIGKILL: short, since the device step's own kill follows its SIGTERM by 10 s
 STOP_S = 8
 
