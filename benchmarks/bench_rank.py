@@ -67,6 +67,8 @@ PHASES = bench_server.PHASES
 #: before the first server has been timed: its startup and one batch size's measurement, seconds (guesses; rank
 #: servers of 12 layers were ready in 46-87 s on an H100, alone)
 STARTUP_GUESS_S, BATCH_GUESS_S = 100.0, 30.0
+#: request slots beyond the largest batch (server_plan)
+SPARE_REQUEST_SLOTS = 8
 #: a stopping server's grace before SIGKILL: short, since the device step's own kill follows its SIGTERM by 10 s
 STOP_S = 8
 
@@ -116,7 +118,9 @@ def server_plan(kind: str, var, port: int, opts, out: Path) -> tuple[list, dict]
     args = replace_flag(args, "--mem-fraction-static", opts.mem_fraction)
     args = replace_flag(args, "--max-total-tokens",
                         kimi_rank.kv_tokens(max_bs, opts.context, opts.new_tokens, max(width, 16)))
-    args = replace_flag(args, "--max-running-requests", max_bs)
+    # a speculative server ran 3 requests fewer at once than --max-running-requests (29 of 32, 61 of 64) and the
+    # rest after them: room for a few more, so that every batch size runs whole (the bench sends max_bs at most)
+    args = replace_flag(args, "--max-running-requests", max_bs + SPARE_REQUEST_SLOTS)
     args = replace_flag(args, "--chunked-prefill-size", opts.prefill_chunk)
     args = replace_flag(args, "--decode-log-interval", 10)
     if "--cuda-graph-bs-decode" in args:

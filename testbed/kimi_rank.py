@@ -158,9 +158,8 @@ def kv_bytes_per_token(s: RankShape) -> int:
 
 def kv_tokens(max_batch: int, context: int, new_tokens: int = 64, max_width: int = 64) -> int:
     """KV slots for ``max_batch`` requests of ``context`` prompt tokens decoding ``new_tokens`` with verify rows of
-    up to ``max_width``, and fifteen widths more of headroom, rounded up to 1,024: SGLang's admission keeps more
-    per running speculative request than its prompt and new tokens (a KDTREE server admitted 29 of 32 requests at
-    4k with two widths of headroom, 61 of 64 with eight, and ran the rest after them)."""
+    up to ``max_width``, and fifteen widths more of headroom (SGLang reserves twice the verify width per running
+    speculative request at each decode step), rounded up to 1,024."""
     need = max_batch * (context + new_tokens + 16 * max_width)
     return -(-need // 1024) * 1024
 

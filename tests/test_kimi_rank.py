@@ -154,7 +154,7 @@ def test_rank_servers_are_bench_server_kinds_resized(bench, tiny, tmp_path):
     plain, env = bench.server_plan("plain", var, 1234, _opts(), tmp_path)
     assert _flag(plain, "--load-format") == ["dummy"] and "--speculative-algorithm" not in plain
     assert _flag(plain, "--cuda-graph-bs-decode") == ["1", "8", "32"]
-    assert _flag(plain, "--max-running-requests") == ["32"]
+    assert _flag(plain, "--max-running-requests") == [str(32 + bench.SPARE_REQUEST_SLOTS)]
     assert int(_flag(plain, "--max-total-tokens")[0]) == kimi_rank.kv_tokens(32, 4096, 64, 64)
     assert kimi_rank.kv_tokens(32, 4096, 64, 64) >= 32 * (4096 + 64 + 16 * 64)
     assert "--disable-overlap-schedule" not in plain and "--enable-metrics" in plain
