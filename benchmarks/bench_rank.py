@@ -267,14 +267,22 @@ def predicted_rounds(model_json: Path, shape: dict, batches, context: int, width
 
 
 def stated_tau(path, widths) -> dict | None:
-    """``{"source", "by_width": {w: tau(w - 1)}}`` from a tau-curve JSON (``kimi_model.load_tau_curve_json``: the
-    testbed pair's ``acceptance.json`` or ``{"curve": {...}}``) at each verify width; None for ``none``."""
+    """``{"source", "by_width": {w: tau(w - 1)}}`` at each verify width from a tau curve: a ``testbed.acceptance``
+    report's pooled greedy tau of its ``kdtree-B`` servers (committed tokens over all rounds, what throughput sees),
+    else ``kimi_model.load_tau_curve_json``'s forms; None for ``none``."""
     if path is None or str(path) == "none":
         return None
     from benchmarks import kimi_model
 
-    curve, _ = kimi_model.load_tau_curve_json(path)
-    return {"source": str(path), "by_width": {int(w): round(curve.tau(int(w) - 1), 4) for w in widths}}
+    data = json.loads(Path(path).read_text())
+    pooled = {server_kinds.pinned_budget(kind): rec["phases"]["0"]["tau_pooled"]
+              for kind, rec in (data.get("servers") or {}).items()
+              if server_kinds.pinned_budget(kind) and "0" in (rec.get("phases") or {})}
+    if pooled:
+        curve, source = kimi_model.TauCurve(tuple(pooled.items())), f"{path} (pooled greedy tau)"
+    else:
+        curve, source = kimi_model.load_tau_curve_json(path)[0], str(path)
+    return {"source": source, "by_width": {int(w): round(curve.tau(int(w) - 1), 4) for w in widths}}
 
 
 def profile(server, bs: int, steps: int, batch: list, new_tokens: int, out: Path, wait_s: float = 120.0) -> dict:

@@ -19,10 +19,10 @@ mean tau for its MoE target (Qwen3-Coder-30B-A3B, T = 0, mean over 10 datasets, 
 {16, ..., 1024}, so anchoring it at 64 is optimistic). DFLASH's 5.19 is the same table's DFlash mean. Neither is
 Kimi K2.6's: a measured curve replaces them (``kimi_round.py --tau-curve`` / ``--tau-curve-json``).
 
-ASSUMPTION: the bookkeeping (tree + accept+commit) is measured once per batch at the largest budget and used for
-every KDTREE row; it is ~0.2 % of the round, so its change with the budget is immaterial here. AR and DFLASH carry
-no bookkeeping (optimistic for them). Collectives are a model: ring all-reduce ``2 (n-1)/n x bytes / bw + latency``
-(2 per layer + 1 for the embedding, of T x 7168 bf16) and an all-gather of the T x 163,840 bf16 logits.
+ASSUMPTION: the bookkeeping (tree + accept+commit) is one figure per batch for every KDTREE row; AR and DFLASH
+carry none. A served rank corrects the drafter and the bookkeeping (``kimi_served.py``: ``draft_served`` replaces
+``draft_forward``'s pieces). Collectives: ring all-reduce ``2 (n-1)/n x bytes / bw + latency`` (2 per layer + 1,
+of T x 7168 bf16) and an all-gather of the T x 163,840 bf16 logits.
 
 Moonshot line: bookkeeping < 3 % of the projected KDTREE round at batch 32, budget 63 (verify width 64).
 Targets (check lines, PASS / FAIL, not an exit code): auto within 2 % of the best fixed budget in every cell; auto
@@ -334,16 +334,20 @@ def verify_forward(times: dict, bs: int, width: int, ctx: int, cfg: RoundConfig,
 
 
 def draft_forward(times: dict, bs: int, ctx: int, cfg: RoundConfig, acc: _Acc | None = None) -> dict:
-    """The drafter's forward over ``bs x block`` positions plus its head over ``bs x (block-1)`` rows (us)."""
+    """The drafter's forward over ``bs x block`` positions plus its head over ``bs x (block-1)`` rows (us); a served
+    rank's drafter phase (``draft_served``, ``kimi_served.py``) stands for the forward and head where given."""
     m, d, net = cfg.model, cfg.drafter, cfg.net
     acc = acc or _Acc(times)
     T, rows = bs * d.block, bs * (d.block - 1)
+    reduce = (2 * d.layers + 1) * net.collective_us(T * m.hidden * net.act_bytes, m.tp)
+    reduce += net.collective_us(rows * m.vocab * net.act_bytes, m.tp, gather=True) if net.gather_logits else 0.0
+    served = times.get(key("draft_served", bs=bs, ctx=ctx))
+    if served is not None:
+        return {"compute": served, "head": 0.0, "allreduce": reduce, "total": served + reduce, "missing": acc.missing}
     p = {name: acc.get(key(name, T=T)) for name in DRAFT_PIECES}
     attention = acc.get(key("draft_attention", bs=bs, ctx=ctx))
     body = d.layers * (p["draft_qkv"] + p["draft_o"] + p["dense_mlp"] + 2 * p["rms_hidden"] + attention)
-    reduce = (2 * d.layers + 1) * net.collective_us(T * m.hidden * net.act_bytes, m.tp)
     head = acc.get(key("lm_head", T=rows))
-    reduce += net.collective_us(rows * m.vocab * net.act_bytes, m.tp, gather=True) if net.gather_logits else 0.0
     return {"compute": body + head, "head": head, "allreduce": reduce, "total": body + head + reduce,
             "missing": acc.missing}
 
@@ -434,8 +438,7 @@ def _check(target: str, cells: list[dict], field: str, floor: float, absent: str
     state = ("FAIL" if any(c[field] < floor for c in known) else "PASS" if len(known) == len(cells)
              else "UNDETERMINED")
     worst = min((c for c in cells if c[field] is not None), key=lambda c: c[field], default=None)
-    detail = "no figures" if worst is None else \
-        f"lowest {worst[field]:.3f}x at ctx {worst['ctx']}, batch {worst['bs']}"
+    detail = "no figures" if worst is None else f"lowest {worst[field]:.3f}x at ctx {worst['ctx']}, batch {worst['bs']}"
     if len(known) < len(cells):
         detail += f"; {len(cells) - len(known)} cell(s) lack pieces"
     return {"target": target, "state": state, "line": f"check: {target}: {state} ({detail})"}
@@ -470,8 +473,7 @@ def moonshot_verdict(rows: list[dict], batch: int = MOONSHOT_BATCH, budget: int 
             states.append("undetermined")
             parts.append(f"ctx {r['ctx']}: bookkeeping not measured")
             continue
-        exact = not r["missing"]
-        below = r["share"] < threshold
+        exact, below = not r["missing"], r["share"] < threshold
         states.append("holds" if below else ("fails" if exact else "undetermined"))
         parts.append(f"ctx {r['ctx']}: {'' if exact else '<= '}{100 * r['share']:.2f} % "
                      f"({r['bookkeeping']:.0f} of {'' if exact else '>= '}{r['round']:.0f} us)")
@@ -494,6 +496,5 @@ def required_keys(batches, contexts, cfg: RoundConfig) -> list[str]:
             for width in cfg.verify_widths:
                 verify_forward({}, bs, width, ctx, cfg, acc)
             draft_forward({}, bs, ctx, cfg, acc)
-            acc.get(key("tree", bs=bs))
-            acc.get(key("accept_commit", bs=bs))
+            acc.get(key("tree", bs=bs)), acc.get(key("accept_commit", bs=bs))
     return acc.missing

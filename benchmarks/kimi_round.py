@@ -4,7 +4,7 @@ fixed node budgets and at the verify width the server would choose (KDTREE-auto)
     python -m benchmarks.kimi_round [--batches 1 8 32 64] [--contexts 4096 16384] [--budgets 15 31 47 63]
         [--tau-curve B=TAU ... | --tau-curve-json FILE | --accept-kdtree TAU] [--tau-anchor-budget 64]
         [--accept-dflash TAU] [--deadline 240] [--json OUT] [--from-json IN] [--bookkeeping-us [BS=]TREE,ACCEPT ...]
-        [--box h200 | rtx-pro-6000 | rtx-pro-6000-pcie-ipc] [--price-rule excess | ratio]
+        [--box h200 | rtx-pro-6000 | rtx-pro-6000-pcie-ipc] [--price-rule excess | ratio] [--served-rank RANK_JSON]
     python -m sglang_kdtree bench --kimi-round [same options]
     python -m benchmarks.plot_kimi_round OUT.json OUT.png
 
@@ -47,7 +47,7 @@ import signal
 import sys
 from pathlib import Path
 
-from benchmarks import kimi_box, kimi_model  # tests reach the arithmetic as kimi_round.kimi_model
+from benchmarks import kimi_box, kimi_model, kimi_served  # tests reach the arithmetic as kimi_round.kimi_model
 from benchmarks.kimi_measure import DeadlineExceeded, _oneline, measure
 from benchmarks.kimi_model import (AUTO, DEFAULT_ANCHOR_BUDGET, DEFAULT_BUDGETS, PAPER_ACCEPT_DFLASH,
                                    PAPER_CURVE_SOURCE, PAPER_SWEEP, PAPER_SWEEP_DFLASH, VERIFY_PIECES, DrafterShape,
@@ -308,6 +308,9 @@ def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentPa
                         "at this budget is the paper's mean 7.51; a given curve is used as is")
     p.add_argument("--bookkeeping-us", nargs="+", default=None, metavar="[BS=]TREE,ACCEPT",
                    help="tree and accept+commit device us instead of measuring them with round_parts.parts()")
+    p.add_argument("--served-rank", default=None, metavar="RANK_JSON",
+                   help="take the drafter and the bookkeeping from a served rank's report (bench_rank.py's rank.json; "
+                        "benchmarks/kimi_served.py says why), priced for the measured device by bandwidth")
     p.add_argument("--marlin-seed", default=None,
                    help="prebuilt Marlin JIT modules to seed SGLang's cache from (default: .dev-carry/jit or "
                         ".jitcache/sm90a when present)")
@@ -425,6 +428,10 @@ def _finish(args, cfg, measured, overrides, batches, contexts) -> int:
     measured = dict(measured)
     measured["times"] = dict(measured.get("times", {}))
     measured["notes"] = list(measured.get("notes", []))
+    if args.served_rank:
+        served, notes = kimi_served.load(args.served_rank, measured.get("device") or "H200", batches)
+        measured["times"].update(served)
+        measured["notes"] += notes
     done = apply_bookkeeping(measured["times"], overrides, batches)
     if done:
         measured["notes"].append(f"bookkeeping from --bookkeeping-us at batch {done}")

@@ -167,8 +167,12 @@ def test_rank_servers_are_bench_server_kinds_resized(bench, tiny, tmp_path):
     stated = bench.stated_tau(Path(__file__).resolve().parents[1] / "benchmarks/results/pair_acceptance.json",
                               ["16", "32", "64"])
     assert set(stated["by_width"]) == {16, 32, 64} and bench.stated_tau("none", ["16"]) is None
-    curve = json.loads((Path(stated["source"])).read_text())["curve"]
-    assert stated["by_width"][32] == pytest.approx(curve["31"], abs=1e-4)  # width 32 = budget 31
+    # width 32 = budget 31: run O's pooled greedy tau, what throughput sees (not the per-request mean "curve")
+    assert stated["by_width"] == {16: 6.0283, 32: 6.5618, 64: 6.9876} and "pooled" in stated["source"]
+    flat = tmp_path / "curve.json"
+    flat.write_text(json.dumps({"curve": {"15": 2.0, "63": 4.0}}))
+    # budget 31 lies 0.506 of the way from 15 to 63 in log2(budget)
+    assert bench.stated_tau(flat, ["16", "32", "64"])["by_width"] == pytest.approx({16: 2.0, 32: 3.0117, 64: 4.0})
     auto, env = bench.server_plan("kdtree-auto-log", var, 1234, _opts(stated_tau=stated["by_width"], profile_batch=8),
                                   tmp_path)
     from sglang_kdtree.round.width_choice import parse_stated_tau
