@@ -31,7 +31,7 @@ def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def format_report(report: dict) -> str:
+def format_report(report: dict, scale: float | None = None) -> str:
     lines = [f"rank: {report['rank']['layers']} layers, vocab {report['rank']['vocab']:,}, context "
              f"{report['settings']['context']}, widths {report['settings']['widths']}; round wall ms: host period "
              "/ decode log / per request",
@@ -79,7 +79,7 @@ def format_report(report: dict) -> str:
                      + "; ".join(f"{k['tokens']:,} / {k['gib']:.2f}" for k in log["kv"]) + " | "
                      f"{log['sglang_capture_s']:.1f} / {log['sglang_capture_gib']:.2f} | {tiers} | "
                      f"{_f(None if peak is None else peak / GIB)} |")
-    return "\n".join(lines + analysis_lines(report))
+    return "\n".join(lines + analysis_lines(report, scale))
 
 
 
@@ -156,6 +156,12 @@ def overlap_ratios(report: dict) -> dict:
 # ---- the model checked -----------------------------------------------------------------------------------------
 
 
+def _plain_step_ms(rec: dict, bs: str, row: dict) -> float | None:
+    """Plain's decode step: the scheduler loop's median period at that batch (its mean counts the prefill passes'
+    long periods too), else the report's mean."""
+    return (rec.get("host_times", {}).get(bs) or {}).get("period_ms") or (row.get("round") or {}).get("host_ms")
+
+
 def model_check(report: dict) -> list[dict]:
     """The served round beside the model's, piece by piece, per (batch, server, width): draft, bookkeeping (tree +
     accept + commit), verify and the host's share (served wall - device; the model has none), and the whole round;
@@ -177,7 +183,7 @@ def model_check(report: dict) -> list[dict]:
             for bs, row in rec.get("table", {}).items():
                 m = cells.get(bs, {}).get("AR")
                 if m:
-                    add(bs, kind, 1, "round", (row.get("round") or {}).get("host_ms"), m["round"])
+                    add(bs, kind, 1, "round", _plain_step_ms(rec, bs, row), m["round"])
             prof = rec.get("profile")
             if prof and cells.get(str(prof["bs"]), {}).get("AR"):
                 m, ms = cells[str(prof["bs"])]["AR"], prof["split"]["ms"]
@@ -207,7 +213,31 @@ def model_check(report: dict) -> list[dict]:
     return rows
 
 
-def analysis_lines(report: dict) -> list[str]:
+def corrected_rounds(report: dict, scale: float) -> list[dict]:
+    """The round the corrected model predicts for each served KDTREE cell (``kimi_served.py``): the model's verify
+    priced for the rank's device (times ``scale``, the bandwidth ratio) plus the served drafter and bookkeeping,
+    beside the served round; and plain's step priced so. ``off`` as in ``model_check``."""
+    cells, out = (report.get("model") or {}).get("cells", {}), []
+    for kind, rec in report.get("servers", {}).items():
+        if kind == "plain":
+            for bs, row in rec.get("table", {}).items():
+                served, m = _plain_step_ms(rec, bs, row), cells.get(bs, {}).get("AR")
+                if served and m:
+                    out.append({"bs": int(bs), "server": kind, "width": 1, "served": served, "model": m["round"] * scale})
+        elif kind.startswith("kdtree-cycle"):
+            for bs, by_width in rec.get("by_width", {}).items():
+                for w, x in by_width.items():
+                    m = cells.get(bs, {}).get(f"KDTREE-{int(w) - 1}")
+                    if m:
+                        model = m["verify"] * scale + x["draft"] + x["tree"] + x["accept_commit"]
+                        out.append({"bs": int(bs), "server": kind, "width": int(w), "served": x["wall_ms"], "model": model})
+    for r in out:
+        r["ratio"] = r["served"] / r["model"]
+        r["off"] = abs(r["ratio"] - 1) > MODEL_TOLERANCE
+    return out
+
+
+def analysis_lines(report: dict, scale: float | None = None) -> list[str]:
     """The tables of ``served_rates``, ``overlap_ratios``, ``model_check`` and the profiled kernel split."""
     lines = []
     rates = served_rates(report)
@@ -240,6 +270,12 @@ def analysis_lines(report: dict) -> list[str]:
                   "| bs | server | width | piece | served | model | served / model | off |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['piece']} | {r['served']:.3f} | {r['model']:.3f} | "
                   f"{_f(r['ratio'], '{:.2f}')} | {'off' if r['off'] else ''} |" for r in check]
+    if scale:
+        lines += ["", f"served against the corrected model (verify x{scale:.3f} for the device; drafter and bookkeeping "
+                  "served), ms", "| bs | server | width | served | corrected model | served / model | off |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['served']:.3f} | {r['model']:.3f} | {r['ratio']:.2f} | "
+                  f"{'off' if r['off'] else ''} |" for r in corrected_rounds(report, scale)]
     for kind, rec in report.get("servers", {}).items():
         prof = rec.get("profile")
         if not prof or "split" not in prof:
@@ -253,11 +289,15 @@ def analysis_lines(report: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m benchmarks.rank_report RANK.json", file=sys.stderr)
-        return 2
-    print(format_report(json.loads(Path(argv[0]).read_text())))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("report", type=Path, help="bench_rank.py's rank.json")
+    ap.add_argument("--device-scale", type=float, default=None,
+                    help="the model's device bandwidth over the rank's (4800 / 3350 for H200 pieces and an H100 rank): "
+                         "adds the corrected model's rounds")
+    args = ap.parse_args(argv)
+    print(format_report(json.loads(args.report.read_text()), args.device_scale))
     return 0
 
 

@@ -166,11 +166,11 @@ def example_env_file(tmp_path: Path, site: dict) -> Path:
 def test_the_env_example_prints_the_readmes_recommended_launch(tmp_path):
     """`launch.sh --env-file <the example> --print` on the box (compute capability 12.0) prints the top README's
     recommended launch: no --speculative-num-draft-tokens (the automatic widths), triton, the memory flags; and the
-    server it execs gets the README's environment (SGLANG_KDTREE_MOE=marlin)."""
+    server it execs gets the README's environment (Marlin, the widths sized for the card)."""
     site = make_site(tmp_path)
     env_file = example_env_file(tmp_path, site)
     readme_env, readme_flags = readme_box_launch()
-    assert readme_env == {"SGLANG_KDTREE_MOE": "marlin"}, readme_env
+    assert readme_env == {"SGLANG_KDTREE_MOE": "marlin", "SGLANG_KDTREE_VERIFY_WIDTHS": "16,32"}, readme_env
     assert "--speculative-num-draft-tokens" not in dict(readme_flags)
 
     result = run_script("launch.sh", "--env-file", env_file, "--print", GPU_COMPUTE_CAP_CMD="echo 12.0")
