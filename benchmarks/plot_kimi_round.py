@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+from pathlib import Path
 
 from benchmarks import plot_captions
 from benchmarks.kimi_model import PAPER_CURVE_SOURCE
@@ -113,6 +115,11 @@ def title(payload: dict, tau_label: str | None = None, path=None, cells: list[di
     pieces = _pieces(path, payload, given)
     layers = ((payload.get("config") or {}).get("drafter") or {}).get("layers", "?")
     drafter = f"drafter: a {layers}-layer DFlash drafter, assumed"
+    served = [m for n in (payload.get("measured") or {}).get("notes", [])
+              for m in [re.search(r"from the served rank (\S+) \(([^,]+),", n)] if m]
+    if served:  # kimi_round --served-rank: the drafter's and the bookkeeping's times are a served rank's
+        drafter += (f", its time and the bookkeeping's from a served Kimi rank ({served[0][2]}, "
+                    f"{Path(served[0][1]).name})")
     est = payload.get("estimate")
     if not est:
         head = ("PROJECTION, not a served Kimi: Kimi K2.6 decode round at TP 8 (the benchmarks/kimi_round.py model)\n"

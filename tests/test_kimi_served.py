@@ -65,3 +65,13 @@ def test_the_committed_rank_corrects_the_committed_model():
     assert "x0.698" in notes[0] and any("batch 61 stands for it" in n for n in notes)
     row = km.round_row({**measured["times"], **times}, "KDTREE-15", 1, 4096, km.RoundConfig())
     assert row["draft"] > 2 * km.round_row(measured["times"], "KDTREE-15", 1, 4096, km.RoundConfig())["draft"]
+
+
+def test_the_plot_says_the_drafter_came_from_the_served_rank():
+    from benchmarks import plot_kimi_round
+
+    path = RESULTS / "kimi_round_served_pair_tau.json"
+    title = plot_kimi_round.title(json.loads(path.read_text()), None, path)
+    assert "from a served Kimi rank (1 H100, rank_h100_12layers.json)" in title
+    plain = plot_kimi_round.title(json.loads((RESULTS / "kimi_round.json").read_text()), None, RESULTS / "kimi_round.json")
+    assert "served Kimi rank" not in plain

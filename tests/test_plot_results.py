@@ -78,6 +78,8 @@ CAPTIONS = {
     "kimi_round_pair_tau.png": lambda: _kimi("kimi_round_pair_tau.json"),
     "kimi_round_rtx6000_pair_tau.png": lambda: _kimi("kimi_round_rtx6000_pair_tau.json"),
     "kimi_round_rtx6000_paper_tau.png": lambda: _kimi("kimi_round_rtx6000_paper_tau.json"),
+    "kimi_round_served_pair_tau.png": lambda: _kimi("kimi_round_served_pair_tau.json"),
+    "kimi_round_rtx6000_served_pair_tau.png": lambda: _kimi("kimi_round_rtx6000_served_pair_tau.json"),
     "acceptance_tau.png": _tau,
     "acceptance_calibration.png": _calibration,
     "pair_training.png": _training,
@@ -112,11 +114,16 @@ def test_kimi_plots_say_projection_and_where_accept_lengths_come_from():
             assert "the testbed pair's measured greedy curve" in text and "1.19x DFLASH" in text, png
         else:
             assert "ASSUMED from the DDTree paper's budget sweep" in text and "1.26x DFLASH" in text, png
-    # README.md's projected ratios are the ones these plots read: 1.19x with the pair's curve, 1.26x the paper's;
-    # the README gives them beside their assumptions, never alone in bold
+    # the model corrected by the served rank (kimi_round --served-rank): what README.md quotes with the pair's curve
+    for png, ratio in (("kimi_round_served_pair_tau.png", "1.18x DFLASH"),
+                       ("kimi_round_rtx6000_served_pair_tau.png", "1.17-1.18x DFLASH")):
+        text = CAPTIONS[png]()
+        assert "from a served Kimi rank" in text and "the testbed pair's measured greedy curve" in text, png
+        assert ratio in text, (png, text)
+    # README.md gives the corrected ratios beside their assumptions, never alone in bold
     readme = (ROOT / "README.md").read_text()
-    assert "1.19x with the pair's tau, 1.26x with the paper's" in readme
-    assert "**1.19x" not in readme and "**1.26x" not in readme
+    assert "1.18x with the pair's tau, 1.25x with the paper's" in readme and "1.17x / 1.24x" in readme
+    assert "**1.18x" not in readme and "**1.25x" not in readme
 
 
 def test_server_captions_name_the_toy_and_its_reading():
