@@ -1,4 +1,5 @@
-"""The device time of a served decode step by kind of kernel, from a torch-profiler trace of SGLang's ``/start_profile``.
+"""The device time of a served decode step by kind of kernel, from a torch-profiler trace (SGLang's
+``/start_profile``).
 
 A decode round's log splits it into phases (draft, tree, verify, accept + commit) but not the verify forward into
 its layers' parts, which is what ``kimi_round``'s model adds up. The kernels say it: every kernel a step runs (CUPTI

@@ -49,7 +49,8 @@ def _cycle_rounds(report: dict) -> dict:
     for kind, rec in report.get("servers", {}).items():
         if kind.startswith("kdtree-cycle") and rec.get("by_width"):
             return {int(bs): rows for bs, rows in rec["by_width"].items()}
-    raise ValueError("the rank report has no kdtree-cycle server with a round log (bench_rank --kinds kdtree-cycle-log)")
+    raise ValueError("the rank report has no kdtree-cycle server with a round log "
+                     "(bench_rank --kinds kdtree-cycle-log)")
 
 
 def served_pieces(report: dict, batches, scale: float) -> tuple[dict, list[str]]:

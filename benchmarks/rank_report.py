@@ -223,14 +223,16 @@ def corrected_rounds(report: dict, scale: float) -> list[dict]:
             for bs, row in rec.get("table", {}).items():
                 served, m = _plain_step_ms(rec, bs, row), cells.get(bs, {}).get("AR")
                 if served and m:
-                    out.append({"bs": int(bs), "server": kind, "width": 1, "served": served, "model": m["round"] * scale})
+                    out.append({"bs": int(bs), "server": kind, "width": 1, "served": served,
+                                "model": m["round"] * scale})
         elif kind.startswith("kdtree-cycle"):
             for bs, by_width in rec.get("by_width", {}).items():
                 for w, x in by_width.items():
                     m = cells.get(bs, {}).get(f"KDTREE-{int(w) - 1}")
                     if m:
                         model = m["verify"] * scale + x["draft"] + x["tree"] + x["accept_commit"]
-                        out.append({"bs": int(bs), "server": kind, "width": int(w), "served": x["wall_ms"], "model": model})
+                        out.append({"bs": int(bs), "server": kind, "width": int(w), "served": x["wall_ms"],
+                                    "model": model})
     for r in out:
         r["ratio"] = r["served"] / r["model"]
         r["off"] = abs(r["ratio"] - 1) > MODEL_TOLERANCE
@@ -267,15 +269,16 @@ def analysis_lines(report: dict, scale: float | None = None) -> list[str]:
     check = model_check(report)
     if check:
         lines += ["", f"served against the model, ms (off: more than {MODEL_TOLERANCE:.0%} apart)",
-                  "| bs | server | width | piece | served | model | served / model | off |", "|---|---|---|---|---|---|---|---|"]
+                  "| bs | server | width | piece | served | model | served / model | off |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['piece']} | {r['served']:.3f} | {r['model']:.3f} | "
                   f"{_f(r['ratio'], '{:.2f}')} | {'off' if r['off'] else ''} |" for r in check]
     if scale:
-        lines += ["", f"served against the corrected model (verify x{scale:.3f} for the device; drafter and bookkeeping "
-                  "served), ms", "| bs | server | width | served | corrected model | served / model | off |",
+        lines += ["", f"served against the corrected model (verify x{scale:.3f} for the device; drafter and "
+                  "bookkeeping served), ms", "| bs | server | width | served | corrected model | served / model | off |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['served']:.3f} | {r['model']:.3f} | {r['ratio']:.2f} | "
-                  f"{'off' if r['off'] else ''} |" for r in corrected_rounds(report, scale)]
+        lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['served']:.3f} | {r['model']:.3f} | "
+                  f"{r['ratio']:.2f} | {'off' if r['off'] else ''} |" for r in corrected_rounds(report, scale)]
     for kind, rec in report.get("servers", {}).items():
         prof = rec.get("profile")
         if not prof or "split" not in prof:

@@ -12,8 +12,8 @@
 # The call, from the repo root, after `python device/device_carry.py` (slimmed wheels + prebuilt Marlin JIT modules):
 #   run(command="bash device/device_rank.sh", carry=[".dev-carry"], timeout_s=600)
 # Knobs: LAYERS (default: the most, up to Kimi's 61, that kimi_rank's memory estimate fits in the card less
-#   RANK_SPARE_GIB (default 15) with KV for the largest batch at CONTEXT and the WIDTHS tiers: 54 on an H200 at
-#   batch 64, 27 on an H100 at batch 32; the report gives per-layer figures either way; `python -m
+#   RANK_SPARE_GIB (default 15) with KV for the largest batch at CONTEXT and the WIDTHS tiers: 52 on an H200 at
+#   batch 64, 12 on an H100 at batch 64, 27 at batch 32; the report gives per-layer figures either way; `python -m
 #   testbed.kimi_rank --estimate --gpu-gib G --max-batch B` prints the table),
 #   RANK_KINDS (bench_rank.py --kinds, default "plain kdtree-cycle-log kdtree-auto-log": one server at a time,
 #   each skipped when the deadline cannot hold its startup; "kdtree-auto-overlap kdtree-auto" with BATCHES="1 32"
@@ -23,8 +23,8 @@
 #   tokens, default 4096), NEW_TOKENS (default 64), REPEATS (timed batches per size, default 2), MEM_FRACTION
 #   (--mem-fraction-static, default 0.85), PROFILE_BATCH (profile each server's decode steps at this batch size
 #   and split them by kernel class: bench_rank.py --profile-batch), RANK_ARGS (more bench_rank.py options, e.g.
-#   --stated-tau-json none), KDTREE_DEVICE_PROFILE=sm_120 (every KDTREE launch held to sm_120's limits), JIT_SEED_WHICH (prebuild_jit.py
-#   --which for the seed, default repack,kdtree: the Marlin modules SGLANG_KDTREE_MOE=marlin loads; a module the seed
+#   --stated-tau-json none), KDTREE_DEVICE_PROFILE=sm_120 (every KDTREE launch held to sm_120's limits),
+#   JIT_SEED_WHICH (prebuild_jit.py --which for the seed, default repack,kdtree: the Marlin modules SGLANG_KDTREE_MOE=marlin loads; a module the seed
 #   lacks compiles for about 6 minutes), DEADLINE (s, default 575: the table prints before it), COMMIT (the commit
 #   the carried tree is, for commit.txt).
 set -uo pipefail
@@ -59,7 +59,8 @@ CAP=$(( $(left) - 40 ))
 # shellcheck disable=SC2086
 step bench "$CAP" python3 benchmarks/bench_rank.py --rank "$RANK" --out "$LOGS/rank" \
   --kinds ${RANK_KINDS:-plain kdtree-cycle-log kdtree-auto-log} --widths "${WIDTHS:-16,32,64}" \
-  ${PROFILE_BATCH:+--profile-batch "$PROFILE_BATCH"} --batches $BATCHES --context "${CONTEXT:-4096}" --new-tokens "${NEW_TOKENS:-64}" \
+  ${PROFILE_BATCH:+--profile-batch "$PROFILE_BATCH"} --batches $BATCHES --context "${CONTEXT:-4096}" \
+  --new-tokens "${NEW_TOKENS:-64}" \
   --repeats "${REPEATS:-2}" --mem-fraction "${MEM_FRACTION:-0.85}" --deadline $(( CAP - 20 )) ${RANK_ARGS:-}
 
 cp "$LOGS/rank/rank.json" "$LOGS/rank/table.txt" "$OUT/" 2>/dev/null

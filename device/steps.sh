@@ -72,7 +72,7 @@ install_carry() {
     wheels=(.whl/*.whl .whl-server/*.whl); JIT_SEED=.jitcache/sm90a; jit_server=.jitcache-server
   fi
   # a warm machine (a call right after another) keeps /tmp/site: the same wheels are not installed twice
-  stamp=$(ls -l "${wheels[@]}" 2>/dev/null | md5sum | cut -c1-16)
+  stamp=$(stat -c "%n %s %Y" "${wheels[@]}" 2>/dev/null | md5sum | cut -c1-16)
   if [ -f /tmp/site/.carry-stamp ] && [ "$(cat /tmp/site/.carry-stamp)" = "$stamp" ]; then
     echo "install kept: /tmp/site holds these wheels (warm machine)" >> "$OUT/steps.txt"
   else

@@ -299,8 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="folder for target/, drafter/ and the manifest")
     ap.add_argument("--layers", default=None,
                     help=f"target layers (default {DEFAULT_LAYERS}, which fits an H100 with KV for batch 32 at 4k; "
-                         "61 is Kimi K2.6's, about 108 GiB in all at batch 32: an H200), or 'auto': the most, up to 61, that "
-                         "leave 5 GiB of --gpu-gib free by the estimate")
+                         "61 is Kimi K2.6's, about 108 GiB in all at batch 32: an H200), or 'auto': the most, up to "
+                         "61, that leave 5 GiB of --gpu-gib free by the estimate")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default Kimi's 163,840)")
     ap.add_argument("--max-positions", type=int, default=32_768, help="context the configs allow (default 32768)")
     ap.add_argument("--tiny-for-cpu", action="store_true", help="4 layers and vocab 4,096 (every other size kept)")

@@ -73,5 +73,6 @@ def test_the_plot_says_the_drafter_came_from_the_served_rank():
     path = RESULTS / "kimi_round_served_pair_tau.json"
     title = plot_kimi_round.title(json.loads(path.read_text()), None, path)
     assert "from a served Kimi rank (1 H100, rank_h100_12layers.json)" in title
-    plain = plot_kimi_round.title(json.loads((RESULTS / "kimi_round.json").read_text()), None, RESULTS / "kimi_round.json")
+    measured = RESULTS / "kimi_round.json"
+    plain = plot_kimi_round.title(json.loads(measured.read_text()), None, measured)
     assert "served Kimi rank" not in plain

@@ -79,13 +79,15 @@ def test_model_check_piece_by_piece():
                                                                   verify=20.6, accept=0.3)}}},
     }}
     rows = {(r["server"], r["piece"]): r for r in rank_report.model_check(report)}
-    assert rows[("plain", "round")]["ratio"] == pytest.approx(9.5 / 9.0, abs=1e-3) and not rows[("plain", "round")]["off"]
+    plain = rows[("plain", "round")]
+    assert plain["ratio"] == pytest.approx(9.5 / 9.0, abs=1e-3) and not plain["off"]
     assert rows[("plain", "attention")]["ratio"] == pytest.approx(1.4, abs=1e-3) and rows[("plain", "attention")]["off"]
     assert rows[("plain", "dense + other")]["served"] == pytest.approx(4.9)
     draft = rows[("kdtree-cycle-log", "draft")]
     assert (draft["served"], draft["model"], draft["ratio"], draft["off"]) == (5.0, 1.0, 5.0, True)
     assert rows[("kdtree-cycle-log", "tree + accept")]["ratio"] == pytest.approx(4.0)
-    assert rows[("kdtree-cycle-log", "verify")]["ratio"] == pytest.approx(1.03) and not rows[("kdtree-cycle-log", "verify")]["off"]
+    verify = rows[("kdtree-cycle-log", "verify")]
+    assert verify["ratio"] == pytest.approx(1.03) and not verify["off"]
     assert rows[("kdtree-cycle-log", "host")]["served"] == pytest.approx(1.0)
     assert rows[("kdtree-cycle-log", "round")]["ratio"] == pytest.approx(27.0 / 21.1, abs=1e-3)
 
