@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import plot_acceptance, plot_captions, plot_kimi_round, plot_results
+from benchmarks import plot_acceptance, plot_captions, plot_kimi_round, plot_rank, plot_results
 from benchmarks.plot_results import kind_label
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +51,12 @@ def _kimi(name):
     return plot_kimi_round.title(payload, None, path)
 
 
+def _rank():
+    path, report = _load("rank_h100_12layers.json")
+    data = plot_rank.series(report, plot_rank.DEFAULT_SCALE)
+    return plot_rank.caption(report, data, plot_captions.facts(path, report.get("run")))
+
+
 def _tau():
     path, rep = _load("pair_acceptance.json")
     return plot_acceptance.tau_caption(rep, plot_acceptance.tau_series(rep), plot_acceptance.run_facts(path, rep))
@@ -80,6 +86,7 @@ CAPTIONS = {
     "kimi_round_rtx6000_paper_tau.png": lambda: _kimi("kimi_round_rtx6000_paper_tau.json"),
     "kimi_round_served_pair_tau.png": lambda: _kimi("kimi_round_served_pair_tau.json"),
     "kimi_round_rtx6000_served_pair_tau.png": lambda: _kimi("kimi_round_rtx6000_served_pair_tau.json"),
+    "rank_served_vs_model.png": _rank,
     "acceptance_tau.png": _tau,
     "acceptance_calibration.png": _calibration,
     "pair_training.png": _training,
@@ -179,3 +186,11 @@ def test_legend_and_footer_lie_outside_the_axes(tmp_path, monkeypatch):
     assert fig._suptitle.get_window_extent(renderer).y0 > max(b.y1 for b in boxes)
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_rank_plot_reads_the_corrected_model_within_5_percent():
+    path, report = _load("rank_h100_12layers.json")
+    data = plot_rank.series(report, plot_rank.DEFAULT_SCALE)
+    assert sorted(data) == [1, 8, 32] and all(d["widths"] == [16, 32, 64] for d in data.values())
+    assert all(0.95 <= s / c <= 1.05 for d in data.values() for s, c in zip(d["served"], d["corrected"]))
+    assert "served / corrected model 0.95-0.99x in every cell" in _rank() and "run C, 2026-12-06, 1 H100" in _rank()
