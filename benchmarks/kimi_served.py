@@ -7,8 +7,8 @@ The served rank (12 of 61 layers, one H100, random weights; RESULTS.md "One Kimi
 * **the target's forward** (plain's step, KDTREE's verify at every width) is 1.33-1.42x the model, the bandwidth
   ratio of the two devices (H200 4.8 TB/s / H100 3.35 TB/s = 1.43): right once priced for the device, so unchanged;
 * **the drafter** is 3.2-3.7x the model (2.2-2.6x once priced for the device): SGLang runs the DFlash drafter's
-  attention over the whole context with its Triton extend kernel (1.3 ms a round at batch 8, 12 ms at 61), where
-  the model timed torch SDPA; replaced by the served drafter phase;
+  attention over the whole context with its Triton extend kernel (1.3 ms of the drafter's 4.8 at batch 8, profiled;
+  the drafter phase grows to 14.8 ms at 61), where the model timed torch SDPA; replaced by the served drafter phase;
 * **the bookkeeping** (tree + accept + commit) is 4.7-6.9x the model: the model times this package's two captured
   graphs only, the served round also SGLang's verify preparation and the drafter's projection of the accepted
   tokens' hidden states (``features``, 0.27 ms at batch 1); replaced by the served tree and accept + commit phases.
