@@ -30,7 +30,7 @@ Per server and batch size it records:
   the way the model adds it up.
 
 The automatic kinds choose their width with the accept lengths of ``--stated-tau-json`` (the testbed pair's
-measured curve by default; ``SGLANG_KDTREE_WIDTH_STATED_TAU``), since random drafts predict nothing; the report
+pooled greedy tau by default; ``SGLANG_KDTREE_WIDTH_STATED_TAU``), since random drafts predict nothing; the report
 (``rank_report.py``) turns rounds into tokens per second per request with that curve, puts the automatic width
 beside the best fixed one, overlap on beside off repeat by repeat, and the served pieces beside the model's.
 
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
                          "committed H200 one; 'none' for no prediction)")
     ap.add_argument("--stated-tau-json", type=Path, default=ROOT / "benchmarks" / "results" / "pair_acceptance.json",
                     help="the accept-length curve the automatic kinds choose with and the report's tokens/s use "
-                         "(default the testbed pair's measured greedy curve; 'none': the drafter's own, which "
+                         "(default the testbed pair's pooled greedy tau; 'none': the drafter's own, which "
                          "predicts nothing on random weights)")
     ap.add_argument("--profile-batch", type=int, default=None,
                     help="after timing this batch size, profile --profile-steps decode steps of every server and "
