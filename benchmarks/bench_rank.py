@@ -273,13 +273,12 @@ def stated_tau(path, widths) -> dict | None:
     if path is None or str(path) == "none":
         return None
     from benchmarks import kimi_model
+    from testbed import acceptance
 
     data = json.loads(Path(path).read_text())
-    pooled = {server_kinds.pinned_budget(kind): rec["phases"]["0"]["tau_pooled"]
-              for kind, rec in (data.get("servers") or {}).items()
-              if server_kinds.pinned_budget(kind) and "0" in (rec.get("phases") or {})}
+    pooled, _ = acceptance.curves(data["servers"], 0.0) if isinstance(data.get("servers"), dict) else ({}, None)
     if pooled:
-        curve, source = kimi_model.TauCurve(tuple(pooled.items())), f"{path} (pooled greedy tau)"
+        curve, source = kimi_model.curve_from_json({"curve": pooled}, str(path))[0], f"{path} (pooled greedy tau)"
     else:
         curve, source = kimi_model.load_tau_curve_json(path)[0], str(path)
     return {"source": source, "by_width": {int(w): round(curve.tau(int(w) - 1), 4) for w in widths}}
