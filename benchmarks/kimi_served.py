@@ -27,10 +27,14 @@ import json
 import statistics
 from pathlib import Path
 
+from benchmarks.kimi_box import BOXES, REFERENCE
 from benchmarks.kimi_model import key
 
-#: spec memory bandwidth (GB/s) of the devices a rank has been served on, by the name in their device string
-DEVICE_GBPS = {"H100": 3350.0, "H200": 4800.0}
+#: spec memory bandwidth (GB/s) of the devices a rank has been served on, by the name in their device string: the
+#: H100 SXM's datasheet figure, and the H200's as kimi_box prices it
+DEVICE_GBPS = {"H100": 3350.0, BOXES[REFERENCE].device: BOXES[REFERENCE].mem_gbps}
+#: an H100 rank checked against the H200 pieces: the model's verify priced for the rank's device (x1.43)
+H200_OVER_H100 = DEVICE_GBPS["H200"] / DEVICE_GBPS["H100"]
 #: the phases a served round log splits a round into, and the model's piece each replaces
 DRAFT, TREE, ACCEPT = "draft", "tree", "accept_commit"
 SERVED_DRAFT = "draft_served"

@@ -13,10 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import plot_captions, rank_report
+from benchmarks import kimi_served, plot_captions, rank_report
 
 #: the model's device bandwidth over the rank's, when the report's model and rank devices are an H200 and an H100
-DEFAULT_SCALE = 4800 / 3350
+DEFAULT_SCALE = kimi_served.H200_OVER_H100
 
 
 def series(report: dict, scale: float) -> dict:
