@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import server_kinds
 from benchmarks.bench_server import PHASES
 from testbed.kimi_rank import GIB
 
@@ -89,8 +90,6 @@ def format_report(report: dict, scale: float | None = None) -> str:
 
 def _kind_width(kind: str) -> int | None:
     """The verify width a pinned KDTREE kind's name says (``kdtree-31-overlap`` -> 32), else None."""
-    from benchmarks import server_kinds
-
     b = server_kinds.pinned_budget(kind)
     return None if b is None else b + 1
 

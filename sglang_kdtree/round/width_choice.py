@@ -67,13 +67,14 @@ def parse_stated_tau(text: str | None, tiers) -> dict | None:
     fix = f"e.g. {STATED_TAU_ENV}=" + ",".join(f"{w}={6 + i / 2:.1f}" for i, w in enumerate(sorted(tiers)))
     stated = {}
     for part in text.split(","):
-        w, sep, tau = part.partition("=")
+        w, _, tau = part.partition("=")  # no "=": tau is "", which float() refuses
         try:
-            stated[int(w)] = float(tau)
+            width, value = int(w), float(tau)
         except ValueError:
             raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r}: {part!r} is not WIDTH=TAU; {fix}") from None
-        if not sep or not stated[int(w)] >= 1.0:
+        if not value >= 1.0:
             raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r}: {part!r} needs a tau of at least 1; {fix}")
+        stated[width] = value
     if sorted(stated) != sorted(int(w) for w in tiers):
         raise ValueError(f"KDTREE: {STATED_TAU_ENV}={text!r} states widths {sorted(stated)}, the server's verify "
                          f"widths are {sorted(int(w) for w in tiers)}; {fix}")
