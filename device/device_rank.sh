@@ -41,14 +41,14 @@ else
   echo "WARNING: no prebuilt JIT modules ($JIT_SEED): each server compiles Marlin for minutes" >> "$OUT/steps.txt"
 fi
 
-# as many of Kimi's 61 layers as the card holds by the estimate, with RANK_SPARE_GIB to spare beyond its 5
+# as many of Kimi's 61 layers as the card holds by the estimate, RANK_SPARE_GIB left free
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 BATCHES=${BATCHES:-1 8 32 64}
 MAX_BS=$(echo "$BATCHES" | tr ' ' '\n' | sort -n | tail -1)
-RANK_GIB=$(( ${GPU_MIB:-81920} / 1024 - ${RANK_SPARE_GIB:-15} + 5 ))
 RANK=/tmp/kimi_rank
-step rank_build 120 python3 -m testbed.kimi_rank --out "$RANK" --layers "${LAYERS:-auto}" --gpu-gib "$RANK_GIB" \
-  --max-batch "$MAX_BS" --tiers "${WIDTHS:-16,32,64}"
+step rank_build 120 python3 -m testbed.kimi_rank --out "$RANK" --layers "${LAYERS:-auto}" \
+  --gpu-gib "$(( ${GPU_MIB:-81920} / 1024 ))" --spare-gib "${RANK_SPARE_GIB:-15}" --max-batch "$MAX_BS" \
+  --tiers "${WIDTHS:-16,32,64}"
 cp "$RANK/RANK_MANIFEST.json" "$OUT/" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 bash device/commit_stamp.sh > "$OUT/commit.txt"

@@ -309,6 +309,7 @@ def main(argv=None) -> int:
                     help=f"GPU memory for --estimate and --layers auto (default {H100_GIB})")
     ap.add_argument("--max-batch", type=int, default=32, help="largest batch for --estimate and --layers auto")
     ap.add_argument("--tiers", default="16,32,64", help="verify widths for --estimate and --layers auto")
+    ap.add_argument("--spare-gib", type=float, default=5.0, help="GiB that --layers auto leaves free (default 5)")
     args = ap.parse_args(argv)
     fit = {"max_batch": args.max_batch, "tiers": tuple(int(w) for w in args.tiers.split(","))}
     if args.estimate:
@@ -317,9 +318,10 @@ def main(argv=None) -> int:
     if args.out is None:
         ap.error("--out is required (or --estimate)")
     if args.layers == "auto":
-        layers = largest_fit(args.gpu_gib, **fit)
+        layers = largest_fit(args.gpu_gib, args.spare_gib, **fit)
         if layers < 4:
-            ap.error(f"--layers auto: no layer count fits {args.gpu_gib:g} GiB by the estimate")
+            ap.error(f"--layers auto: no layer count leaves {args.spare_gib:g} of {args.gpu_gib:g} GiB free by the "
+                     "estimate")
     else:
         layers = int(args.layers) if args.layers else (4 if args.tiny_for_cpu else DEFAULT_LAYERS)
     vocab = args.vocab or (4096 if args.tiny_for_cpu else None)
