@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import statistics
@@ -52,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT)]  # run as a script: the CUDA harness, and this package
 import cuda_servers  # noqa: E402
+import server_limits  # noqa: E402
 
 from benchmarks import bench_server, decode_log, kernel_split, rank_report, server_kinds  # noqa: E402
 from testbed import kimi_rank  # noqa: E402
@@ -63,6 +65,8 @@ ROUND_LOG_ENV, HOST_TIMES_ENV = "KDTREE_ROUND_LOG", "KDTREE_HOST_TIMES"
 #: the width choice's stated accept lengths (sglang_kdtree.round.width_choice.STATED_TAU_ENV; benches only) and
 #: SGLang's wait for a full batch before it profiles decode steps
 STATED_TAU_ENV, PROFILE_MIN_BS_ENV = "SGLANG_KDTREE_WIDTH_STATED_TAU", "SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS"
+#: the test-only profile every KDTREE launch is held to (sglang_kdtree.gpu.limits.PROFILE_ENV), inherited by servers
+PROFILE_ENV = "KDTREE_DEVICE_PROFILE"
 PHASES = bench_server.PHASES
 #: before the first server has been timed: its startup and one batch size's measurement, seconds (guesses; rank
 #: servers of 12 layers were ready in 46-87 s on an H100, alone)
@@ -327,6 +331,7 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
         failed = cuda_servers.wait_all({kind: server}, timeout=max(30.0, left() - BATCH_GUESS_S))
         record["ready_s"] = server.ready_s
         record["server_log"] = read_server_log(server.log_text())
+        record["launch_limits"] = server_limits.launch_limits(server.log_text())
         if failed:
             record["error"] = failed[kind][-3000:]
             return
@@ -339,7 +344,8 @@ def serve(kind: str, var, opts, out: Path, left, record: dict, save) -> None:
                     record.setdefault("skipped", []).append(f"batch {bs}: {left():.0f} s left, guessed {guess:.0f} s")
                     break
                 started = time.time()
-                table = bench_server.measure({kind: server}, [bs], opts.new_tokens, opts.repeats, prompts=prompts)
+                table = bench_server.measure({kind: server}, [bs], opts.new_tokens, opts.repeats, prompts=prompts,
+                                             keep_outputs=True)
                 record["table"][str(bs)] = table[str(bs)][kind]
                 previous = (bs, time.time() - started)
                 save()
@@ -398,7 +404,8 @@ def main(argv=None) -> int:
     left = lambda: opts.deadline - (time.time() - start)  # noqa: E731
     manifest = json.loads((opts.rank / kimi_rank.MANIFEST).read_text())
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
-    report = {"rank": manifest["shape"], "estimate": manifest.get("estimate"), "settings": settings, "servers": {}}
+    report = {"rank": manifest["shape"], "estimate": manifest.get("estimate"), "settings": settings, "servers": {},
+              "device_profile": os.environ.get(PROFILE_ENV)}
     report["stated_tau"] = stated_tau(opts.stated_tau_json, opts.widths.split(","))
     opts.stated_tau = (report["stated_tau"] or {}).get("by_width")
     if opts.model_json and str(opts.model_json) != "none" and opts.model_json.exists():
@@ -422,6 +429,8 @@ def main(argv=None) -> int:
     except Stop:
         report["stopped"] = f"SIGTERM after {time.time() - start:.0f} s"
     finally:
+        if report["device_profile"]:  # every KDTREE server's launches within the profile's limits, by its log
+            report["profile_problems"] = server_limits.profile_holds(report, report["device_profile"])
         save()
     text = rank_report.format_report(report)
     (opts.out / "table.txt").write_text(text + "\n")

@@ -208,11 +208,14 @@ def _log_len(server) -> int:
     return len(server.round_log.read_text().splitlines())
 
 
-def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch_of) -> dict:
+def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch_of,
+            keep_outputs: bool = False) -> dict:
     """Per batch size (its requests from ``prompts(bs)``): every server's warm-up batch, then the timed batches taken in turns, one server after
     another and each turn starting one server later, so that a change of the shared host's speed during the run
     falls on every server alike instead of on whichever ran last (on a host-paced target every step of one server's
-    round has run 10-20 % faster or slower than its neighbour's, with the sign changing between batch sizes)."""
+    round has run 10-20 % faster or slower than its neighbour's, with the sign changing between batch sizes).
+    ``keep_outputs``: each row also keeps the first timed batch's greedy token ids, request by request
+    (``output_ids``), for servers run apart to be compared token for token."""
     table = {}
     kinds = list(servers)
     for bs in batches:
@@ -248,6 +251,8 @@ def measure(servers: dict, batches, new_tokens: int, repeats: int, prompts=batch
                 "accept_len": statistics.fmean(accepts) if accepts else 1.0,
                 "runs": repeats,
             }
+            if keep_outputs:
+                row["output_ids"] = [list(r["output_ids"]) for r in timed[kind][0][1]]
             if first_token:  # --latency-split: the request's wait for its first token, then its decode rate
                 row.update(first_token_ms=statistics.median(first_token), decode_tok_s=statistics.median(decode),
                            decode_tok_s_runs=run_decode)

@@ -32,7 +32,7 @@ def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def format_report(report: dict, scale: float | None = None) -> str:
+def format_report(report: dict, scale: float | None = None, reference: dict | None = None) -> str:
     lines = [f"rank: {report['rank']['layers']} layers, vocab {report['rank']['vocab']:,}, context "
              f"{report['settings']['context']}, widths {report['settings']['widths']}; round wall ms: host period "
              "/ decode log / per request",
@@ -80,7 +80,7 @@ def format_report(report: dict, scale: float | None = None) -> str:
                      + "; ".join(f"{k['tokens']:,} / {k['gib']:.2f}" for k in log["kv"]) + " | "
                      f"{log['sglang_capture_s']:.1f} / {log['sglang_capture_gib']:.2f} | {tiers} | "
                      f"{_f(None if peak is None else peak / GIB)} |")
-    return "\n".join(lines + analysis_lines(report, scale))
+    return "\n".join(lines + analysis_lines(report, scale, reference))
 
 
 
@@ -238,7 +238,30 @@ def corrected_rounds(report: dict, scale: float) -> list[dict]:
     return out
 
 
-def analysis_lines(report: dict, scale: float | None = None) -> list[str]:
+def greedy_identity(report: dict, reference: dict | None = None) -> list[dict]:
+    """Each server's greedy tokens against the plain server's, request by request, at every batch size both kept
+    (``bench_server.measure(keep_outputs=True)``): ``reference``'s plain server when given (a report of the same
+    rank from another call), else this report's. Each row: requests, how many are identical, and the earliest
+    token at which one differs (None if none does)."""
+    plain = ((reference or report).get("servers", {}).get("plain") or {}).get("table", {})
+    rows = []
+    for kind, rec in report.get("servers", {}).items():
+        if kind == "plain" and reference is None:
+            continue
+        for bs, row in rec.get("table", {}).items():
+            ours, theirs = row.get("output_ids"), plain.get(bs, {}).get("output_ids")
+            if ours is None or theirs is None:
+                continue
+            if len(ours) != len(theirs):
+                raise ValueError(f"{kind} at batch {bs}: {len(ours)} requests kept against plain's {len(theirs)}")
+            firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                      for a, b in zip(ours, theirs) if a != b]
+            rows.append({"server": kind, "bs": int(bs), "requests": len(ours), "identical": len(ours) - len(firsts),
+                         "tokens": sum(map(len, ours)), "first_diff": min(firsts) if firsts else None})
+    return sorted(rows, key=lambda r: (r["server"], r["bs"]))
+
+
+def analysis_lines(report: dict, scale: float | None = None, reference: dict | None = None) -> list[str]:
     """The tables of ``served_rates``, ``overlap_ratios``, ``model_check`` and the profiled kernel split."""
     lines = []
     rates = served_rates(report)
@@ -278,6 +301,20 @@ def analysis_lines(report: dict, scale: float | None = None) -> list[str]:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['bs']} | {r['server']} | {r['width']} | {r['served']:.3f} | {r['model']:.3f} | "
                   f"{r['ratio']:.2f} | {'off' if r['off'] else ''} |" for r in corrected_rounds(report, scale)]
+    if report.get("device_profile"):
+        problems = report.get("profile_problems")
+        lines += ["", f"KDTREE_DEVICE_PROFILE={report['device_profile']}: " + (
+            "not checked" if problems is None else "every KDTREE server's launches within its limits" if not problems
+            else "; ".join(problems))]
+        lines += [f"{kind}: {rec['launch_limits']['line']}" for kind, rec in report["servers"].items()
+                  if rec.get("launch_limits")]
+    same = greedy_identity(report, reference)
+    if same:
+        lines += ["", "greedy tokens against the plain server's, request by request"
+                  + (" (plain from another call of the same rank)" if reference else ""),
+                  "| server | bs | requests | identical | tokens | first differing token |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['server']} | {r['bs']} | {r['requests']} | {r['identical']} | {r['tokens']} | "
+                  f"{_f(r['first_diff'], '{}')} |" for r in same]
     for kind, rec in report.get("servers", {}).items():
         prof = rec.get("profile")
         if not prof or "split" not in prof:
@@ -298,8 +335,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device-scale", type=float, default=None,
                     help="the model's device bandwidth over the rank's (4800 / 3350 for H200 pieces and an H100 rank): "
                          "adds the corrected model's rounds")
+    ap.add_argument("--plain-from", type=Path, default=None,
+                    help="another call's rank.json of the same rank whose plain server the greedy tokens are held to")
     args = ap.parse_args(argv)
-    print(format_report(json.loads(args.report.read_text()), args.device_scale))
+    reference = json.loads(args.plain_from.read_text()) if args.plain_from else None
+    print(format_report(json.loads(args.report.read_text()), args.device_scale, reference))
     return 0
 
 

@@ -118,3 +118,27 @@ def test_kernel_split_of_a_trace(tmp_path):
     assert out["launches"]["moe"] == 1.0 and out["top"][0] == {"name": "Marlin", "class": "moe", "ms_per_step": 0.3}
     with pytest.raises(ValueError, match="steps"):
         kernel_split.split([], 0)
+
+
+def test_greedy_tokens_against_plain_request_by_request():
+    plain = {"table": {"1": {"output_ids": [[5, 6, 7]]}, "8": {"output_ids": [[1, 2, 3], [4, 5, 6]]}}}
+    report = {"servers": {
+        "plain": plain,
+        "kdtree-cycle-log": {"table": {"1": {"output_ids": [[5, 6, 7]]},
+                                       "8": {"output_ids": [[1, 2, 3], [4, 9, 6]]}}},  # request 2 differs at 1
+        "dflash": {"table": {"8": {"output_ids": [[1, 2, 3], [4, 5, 6]]}, "32": {"output_ids": [[0]]}}},
+    }}
+    rows = rank_report.greedy_identity(report)
+    assert rows == [
+        {"server": "dflash", "bs": 8, "requests": 2, "identical": 2, "tokens": 6, "first_diff": None},
+        {"server": "kdtree-cycle-log", "bs": 1, "requests": 1, "identical": 1, "tokens": 3, "first_diff": None},
+        {"server": "kdtree-cycle-log", "bs": 8, "requests": 2, "identical": 1, "tokens": 6, "first_diff": 1},
+    ]  # batch 32: plain kept no tokens there, nothing to compare
+    # plain from another call of the same rank: this report's own plain is compared too
+    other = {"servers": {"plain": {"table": {"1": {"output_ids": [[5, 6]]}}}}}
+    shorter = {r["server"]: r for r in rank_report.greedy_identity(report, reference=other) if r["bs"] == 1}
+    assert shorter["plain"]["first_diff"] == 2 and shorter["plain"]["identical"] == 0
+    text = "\n".join(rank_report.analysis_lines(report))
+    assert "| kdtree-cycle-log | 8 | 2 | 1 | 6 | 1 |" in text and "| dflash | 8 | 2 | 2 | 6 | - |" in text
+    with pytest.raises(ValueError, match="1 requests kept against plain's 2"):
+        rank_report.greedy_identity({"servers": {"plain": plain, "x": {"table": {"8": {"output_ids": [[1]]}}}}})
