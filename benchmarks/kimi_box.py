@@ -221,6 +221,8 @@ def price_piece(k: str, t: float, cfg: RoundConfig, ref: Box, box: Box, rule: st
     """The box's time for the piece ``k`` that took ``t`` us on ``ref``, by ``rule`` (``RULES``); a piece without a
     shape model (the bookkeeping) scales by the bandwidth ratio under either rule."""
     name, dims = parse_key(k)
+    if "excess" in name:  # a served rank's time above the model's pieces (kimi_served.py): an excess like any other
+        return t if rule == "excess" else t * ref.mem_gbps / box.mem_gbps
     work = piece_work(name, dims, cfg.model, cfg.drafter)
     if work is None or roofline_us(*work, ref) <= 0:
         return t * ref.mem_gbps / box.mem_gbps

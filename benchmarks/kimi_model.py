@@ -20,9 +20,9 @@ mean tau for its MoE target (Qwen3-Coder-30B-A3B, T = 0, mean over 10 datasets, 
 Kimi K2.6's: a measured curve replaces them (``kimi_round.py --tau-curve`` / ``--tau-curve-json``).
 
 ASSUMPTION: the bookkeeping (tree + accept+commit) is one figure per batch for every KDTREE row; AR and DFLASH
-carry none. A served rank corrects the drafter and the bookkeeping (``kimi_served.py``: ``draft_served`` replaces
-``draft_forward``'s pieces). Collectives: ring all-reduce ``2 (n-1)/n x bytes / bw + latency`` (2 per layer + 1,
-of T x 7168 bf16) and an all-gather of the T x 163,840 bf16 logits.
+carry none. A served rank corrects pieces (``kimi_served.py``): ``draft_excess`` adds to the drafter's forward,
+``forward_excess:MODE`` to a mode's target attention. Collectives: ring all-reduce
+``2 (n-1)/n x bytes / bw + latency`` (2 per layer + 1, of T x 7168 bf16), an all-gather of the T x 163,840 logits.
 
 Moonshot line: bookkeeping < 3 % of the projected KDTREE round at batch 32, budget 63 (verify width 64).
 Targets (check lines, PASS / FAIL, not an exit code): auto within 2 % of the best fixed budget in every cell; auto
@@ -112,8 +112,7 @@ PAPER_ACCEPT_KDTREE = round(statistics.mean(v[1] for v in PAPER_TAU.values()), 2
 #: on that setup. Only its shape is used: ``paper_curve`` scales it to the MoE target's mean.
 PAPER_SWEEP = ((16, 8.6), (32, 9.3), (64, 9.75), (128, 10.2), (256, 10.4), (512, 10.7), (1024, 11.0))
 PAPER_SWEEP_DFLASH = 7.79
-DEFAULT_ANCHOR_BUDGET = 64
-DEFAULT_BUDGETS = (15, 31, 47, 63)
+DEFAULT_ANCHOR_BUDGET, DEFAULT_BUDGETS = 64, (15, 31, 47, 63)
 CURVE_FIX = "e.g. --tau-curve 16=8.6 32=9.3 64=9.75"
 PAPER_CURVE_SOURCE = "the DDTree paper's budget sweep"
 
@@ -263,9 +262,7 @@ class RoundConfig:
         return self.budgets[-1]
 
 
-MOONSHOT_BATCH = 32
-MOONSHOT_BUDGET = 63
-MOONSHOT_SHARE = 0.03
+MOONSHOT_BATCH, MOONSHOT_BUDGET, MOONSHOT_SHARE = 32, 63, 0.03
 #: auto / best fixed budget at least this in every cell; auto / DFLASH at least this at these batches
 AUTO_VS_BEST_FIXED = 0.98
 AUTO_VS_DFLASH = ((1, 1.15), (32, 1.10))
@@ -334,22 +331,19 @@ def verify_forward(times: dict, bs: int, width: int, ctx: int, cfg: RoundConfig,
 
 
 def draft_forward(times: dict, bs: int, ctx: int, cfg: RoundConfig, acc: _Acc | None = None) -> dict:
-    """The drafter's forward over ``bs x block`` positions plus its head over ``bs x (block-1)`` rows (us); a served
-    rank's drafter phase (``draft_served``, ``kimi_served.py``) stands for the forward and head where given."""
+    """The drafter's forward over ``bs x block`` positions plus its head over ``bs x (block-1)`` rows (us), plus a
+    served rank's excess over them where given (``draft_excess``, ``kimi_served.py``)."""
     m, d, net = cfg.model, cfg.drafter, cfg.net
     acc = acc or _Acc(times)
     T, rows = bs * d.block, bs * (d.block - 1)
     reduce = (2 * d.layers + 1) * net.collective_us(T * m.hidden * net.act_bytes, m.tp)
     reduce += net.collective_us(rows * m.vocab * net.act_bytes, m.tp, gather=True) if net.gather_logits else 0.0
-    served = times.get(key("draft_served", bs=bs, ctx=ctx))
-    if served is not None:
-        return {"compute": served, "head": 0.0, "allreduce": reduce, "total": served + reduce, "missing": acc.missing}
     p = {name: acc.get(key(name, T=T)) for name in DRAFT_PIECES}
     attention = acc.get(key("draft_attention", bs=bs, ctx=ctx))
     body = d.layers * (p["draft_qkv"] + p["draft_o"] + p["dense_mlp"] + 2 * p["rms_hidden"] + attention)
-    head = acc.get(key("lm_head", T=rows))
-    return {"compute": body + head, "head": head, "allreduce": reduce, "total": body + head + reduce,
-            "missing": acc.missing}
+    head, excess = acc.get(key("lm_head", T=rows)), times.get(key("draft_excess", bs=bs, ctx=ctx), 0.0)
+    return {"compute": body + head + excess, "head": head, "allreduce": reduce,
+            "total": body + head + excess + reduce, "missing": acc.missing}
 
 
 def round_row(times: dict, mode: str, bs: int, ctx: int, cfg: RoundConfig) -> dict:
@@ -361,6 +355,8 @@ def round_row(times: dict, mode: str, bs: int, ctx: int, cfg: RoundConfig) -> di
     width = cfg.widths[mode]
     kd = mode.startswith("KDTREE-")
     verify = verify_forward(times, bs, width, ctx, cfg, acc)
+    excess = times.get(key(f"forward_excess:{mode}", bs=bs, ctx=ctx), 0.0)  # a served rank's (kimi_served.py)
+    verify.update(attention=verify["attention"] + excess, total=verify["total"] + excess)
     draft = draft_forward(times, bs, ctx, cfg, acc)["total"] if mode != "AR" else 0.0
     # the tree and accept+commit of the largest budget for every KDTREE row (the module docstring's ASSUMPTION)
     tree = acc.get(key("tree", bs=bs)) if kd else 0.0

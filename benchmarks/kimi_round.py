@@ -4,7 +4,7 @@ fixed node budgets and at the verify width the server would choose (KDTREE-auto)
     python -m benchmarks.kimi_round [--batches 1 8 32 64] [--contexts 4096 16384] [--budgets 15 31 47 63]
         [--tau-curve B=TAU ... | --tau-curve-json FILE | --accept-kdtree TAU] [--tau-anchor-budget 64]
         [--accept-dflash TAU] [--deadline 240] [--json OUT] [--from-json IN] [--bookkeeping-us [BS=]TREE,ACCEPT ...]
-        [--box h200 | rtx-pro-6000 | rtx-pro-6000-pcie-ipc] [--price-rule excess | ratio] [--served-rank RANK_JSON]
+        [--box h200 | rtx-pro-6000 | rtx-pro-6000-pcie-ipc] [--price-rule excess | ratio] [--served-rank RANK_JSON ...]
     python -m sglang_kdtree bench --kimi-round [same options]
     python -m benchmarks.plot_kimi_round OUT.json OUT.png
 
@@ -308,9 +308,17 @@ def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentPa
                         "at this budget is the paper's mean 7.51; a given curve is used as is")
     p.add_argument("--bookkeeping-us", nargs="+", default=None, metavar="[BS=]TREE,ACCEPT",
                    help="tree and accept+commit device us instead of measuring them with round_parts.parts()")
-    p.add_argument("--served-rank", default=None, metavar="RANK_JSON",
+    p.add_argument("--served-rank", nargs="+", default=None, metavar="RANK_JSON",
                    help="take the drafter and the bookkeeping from a served rank's report (bench_rank.py's rank.json; "
-                        "benchmarks/kimi_served.py says why), priced for the measured device by bandwidth")
+                        "the first with a cycle server; benchmarks/kimi_served.py says why), and --served-forward's "
+                        "target forwards from them all, priced for the measured device by bandwidth")
+    p.add_argument("--served-forward", nargs="*", default=["AR", "DFLASH"], choices=list(kimi_served.FORWARD_MODES),
+                   help="with --served-rank: the modes whose target forward comes from the served ranks (default AR "
+                        "DFLASH: SGLang's Triton backend, the box's default; none for an fa3 box), KDTREE from the "
+                        "ranks served under --served-profile")
+    p.add_argument("--served-profile", default=None, choices=["sm_120"],
+                   help="the KDTREE_DEVICE_PROFILE of the ranks whose KDTREE verify --served-forward KDTREE takes "
+                        "(default: the ranks served without one)")
     p.add_argument("--marlin-seed", default=None,
                    help="prebuilt Marlin JIT modules to seed SGLang's cache from (default: .dev-carry/jit or "
                         ".jitcache/sm90a when present)")
@@ -429,7 +437,8 @@ def _finish(args, cfg, measured, overrides, batches, contexts) -> int:
     measured["times"] = dict(measured.get("times", {}))
     measured["notes"] = list(measured.get("notes", []))
     if args.served_rank:
-        served, notes = kimi_served.load(args.served_rank, measured.get("device") or "H200", batches)
+        served, notes = kimi_served.load(args.served_rank, measured.get("device") or "H200", batches,
+                                         measured["times"], cfg, args.served_forward, args.served_profile)
         measured["times"].update(served)
         measured["notes"] += notes
     done = apply_bookkeeping(measured["times"], overrides, batches)

@@ -120,6 +120,10 @@ def title(payload: dict, tau_label: str | None = None, path=None, cells: list[di
     if served:  # kimi_round --served-rank: the drafter's and the bookkeeping's times are a served rank's
         drafter += (f", its time and the bookkeeping's from a served Kimi rank ({served[0][2]}, "
                     f"{Path(served[0][1]).name})")
+        forwards = sorted({m[1] for n in payload["measured"]["notes"]
+                           for m in [re.match(r"(\w+)(?:-\d+)? at batch \d+: forward served", n)] if m})
+        if forwards:  # --served-forward: those modes' target forwards too
+            drafter += f"; the target forward of {' / '.join(forwards)} from served ranks too"
     est = payload.get("estimate")
     if not est:
         head = ("PROJECTION, not a served Kimi: Kimi K2.6 decode round at TP 8 (the benchmarks/kimi_round.py model)\n"

@@ -123,9 +123,10 @@ def test_kimi_plots_say_projection_and_where_accept_lengths_come_from():
             assert "ASSUMED from the DDTree paper's budget sweep" in text and "1.26x DFLASH" in text, png
     # the model corrected by the served rank (kimi_round --served-rank): what README.md quotes with the pair's curve
     for png, ratio in (("kimi_round_served_pair_tau.png", "1.18x DFLASH"),
-                       ("kimi_round_rtx6000_served_pair_tau.png", "1.17-1.18x DFLASH")):
+                       ("kimi_round_rtx6000_served_pair_tau.png", "1.39-2.02x DFLASH")):
         text = CAPTIONS[png]()
         assert "from a served Kimi rank" in text and "the testbed pair's measured greedy curve" in text, png
+        assert ("the target forward of AR / DFLASH / KDTREE from served ranks" in text) == ("rtx6000" in png), png
         assert ratio in text, (png, text)
     # README.md gives the corrected ratios beside their assumptions, never alone in bold
     readme = (ROOT / "README.md").read_text()
