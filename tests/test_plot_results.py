@@ -130,8 +130,9 @@ def test_kimi_plots_say_projection_and_where_accept_lengths_come_from():
         assert ratio in text, (png, text)
     # README.md gives the corrected ratios beside their assumptions, never alone in bold
     readme = (ROOT / "README.md").read_text()
-    assert "1.18x with the pair's tau, 1.25x with the paper's" in readme and "1.17x / 1.24x" in readme
-    assert "**1.18x" not in readme and "**1.25x" not in readme
+    assert "1.18x with the pair's tau, 1.25x with the paper's" in readme
+    assert "1.39x-2.02x with the pair's tau (1.48x-2.15x paper's)" in readme
+    assert "**1.18x" not in readme and "**1.25x" not in readme and "**1.39x" not in readme
 
 
 def test_server_captions_name_the_toy_and_its_reading():
