@@ -79,11 +79,12 @@ def _bare(cfg):
 
 def served_pieces(report: dict, batches, scale: float, times: dict | None = None, cfg=None) -> tuple[dict, list[str]]:
     """``(times, notes)``: microseconds for a ``kimi_round`` measurement at ``batches`` (module docstring): the
-    bookkeeping phases, and the drafter's excess over the model's drafter in ``times`` under ``cfg``; each phase the
-    median over the served verify widths of its median ms, times ``scale``."""
+    bookkeeping phases, and the drafter's excess over the model's drafter in ``times`` under ``cfg`` at the rank's
+    vocabulary; each phase the median over the served verify widths of its median ms, times ``scale``."""
     rounds = _cycle_rounds(report)
     context = int(report["settings"]["context"])
     bare = _bare(cfg or kimi_model.RoundConfig())
+    full = rank_times(times or {}, report) if "rank" in report else times or {}  # the rank's drafter head: all rows
     out, notes = {}, []
     for bs in batches:
         below = [b for b in rounds if b <= bs]
@@ -95,7 +96,7 @@ def served_pieces(report: dict, batches, scale: float, times: dict | None = None
             notes.append(f"batch {bs}: the served rank's batch {served} stands for it")
         rows = rounds[served].values()
         phase = {p: statistics.median(r[p] for r in rows) * 1e3 * scale for p in (DRAFT, TREE, ACCEPT)}
-        model = kimi_model.draft_forward(times or {}, bs, context, bare)["compute"]
+        model = kimi_model.draft_forward(full, bs, context, bare)["compute"]
         out[key(DRAFT_EXCESS, bs=bs, ctx=context)] = phase[DRAFT] - model
         out[key("tree", bs=bs)], out[key("accept_commit", bs=bs)] = phase[TREE], phase[ACCEPT]
     return out, notes

@@ -132,9 +132,11 @@ def test_the_committed_rank_corrects_the_committed_model():
                                     measured["times"], cfg)
     rank = json.loads((RESULTS / "rank_h100_12layers.json").read_text())
     draft_bs1 = sorted(r["draft"] for r in rank["servers"]["kdtree-cycle-log"]["by_width"]["1"].values())[1]
-    model = km.draft_forward(measured["times"], 1, 4096, kimi_served._bare(cfg))["compute"]
+    full = kimi_served.rank_times(measured["times"], rank)  # the rank's drafter head is all 163,840 rows: x8
+    assert full[km.key("lm_head", T=15)] == pytest.approx(8 * measured["times"][km.key("lm_head", T=15)])
+    model = km.draft_forward(full, 1, 4096, kimi_served._bare(cfg))["compute"]
     assert times[km.key("draft_excess", bs=1, ctx=4096)] == pytest.approx(draft_bs1 * 1e3 * 3350 / 4800 - model)
-    assert km.draft_forward({**measured["times"], **times}, 1, 4096, kimi_served._bare(cfg))["compute"] == \
+    assert km.draft_forward({**full, **times}, 1, 4096, kimi_served._bare(cfg))["compute"] == \
         pytest.approx(draft_bs1 * 1e3 * 3350 / 4800)
     assert "x0.698" in notes[0] and any("batch 61 stands for it" in n for n in notes)
     row = km.round_row({**measured["times"], **times}, "KDTREE-15", 1, 4096, km.RoundConfig())

@@ -123,7 +123,7 @@ def test_kimi_plots_say_projection_and_where_accept_lengths_come_from():
             assert "ASSUMED from the DDTree paper's budget sweep" in text and "1.26x DFLASH" in text, png
     # the model corrected by the served rank (kimi_round --served-rank): what README.md quotes with the pair's curve
     for png, ratio in (("kimi_round_served_pair_tau.png", "1.18x DFLASH"),
-                       ("kimi_round_rtx6000_served_pair_tau.png", "1.39-2.02x DFLASH")):
+                       ("kimi_round_rtx6000_served_pair_tau.png", "1.39-2.03x DFLASH")):
         text = CAPTIONS[png]()
         assert "from a served Kimi rank" in text and "the testbed pair's measured greedy curve" in text, png
         assert ("the target forward of AR / DFLASH / KDTREE from served ranks" in text) == ("rtx6000" in png), png
@@ -131,7 +131,7 @@ def test_kimi_plots_say_projection_and_where_accept_lengths_come_from():
     # README.md gives the corrected ratios beside their assumptions, never alone in bold
     readme = (ROOT / "README.md").read_text()
     assert "1.18x with the pair's tau, 1.25x with the paper's" in readme
-    assert "1.39x-2.02x with the pair's tau (1.48x-2.15x paper's)" in readme
+    assert "1.39x-2.03x with the pair's tau (1.48x-2.16x paper's)" in readme
     assert "**1.18x" not in readme and "**1.25x" not in readme and "**1.39x" not in readme
 
 
