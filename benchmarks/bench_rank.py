@@ -25,6 +25,9 @@ Per server and batch size it records:
   captures (seconds, GiB) and KDTREE's extra verify tiers (seconds, MiB each), its round rehearsal's peak;
 * beside each cell, ``kimi_round``'s prediction for it (``predicted_rounds``, from ``--model-json``): AR for plain,
   DFLASH, and KDTREE at each verify width, piece by piece;
+* each server's greedy tokens of its first timed batch per size (``output_ids``), which the report holds to the
+  plain server's request by request, and a KDTREE server's ``KDTREE launch limits`` line, checked against
+  ``KDTREE_DEVICE_PROFILE`` when that is set (``profile_problems``);
 * with ``--profile-batch BS``: each server's decode steps at that batch size split by kernel class
   (``kernel_split.py``: MoE, MLA, other attention, GEMM, bookkeeping, the rest), which splits the verify forward
   the way the model adds it up.

@@ -23,7 +23,8 @@
 #   tokens, default 4096), NEW_TOKENS (default 64), REPEATS (timed batches per size, default 2), MEM_FRACTION
 #   (--mem-fraction-static, default 0.85), PROFILE_BATCH (profile each server's decode steps at this batch size
 #   and split them by kernel class: bench_rank.py --profile-batch), RANK_ARGS (more bench_rank.py options, e.g.
-#   --stated-tau-json none), KDTREE_DEVICE_PROFILE=sm_120 (every KDTREE launch held to sm_120's limits),
+#   --stated-tau-json none), KDTREE_DEVICE_PROFILE=sm_120 (every KDTREE launch held to sm_120's limits; the report checks each KDTREE
+#   server's limits line and holds every server's greedy tokens to plain's),
 #   JIT_SEED_WHICH (prebuild_jit.py --which for the seed, default repack,kdtree: the Marlin modules SGLANG_KDTREE_MOE=marlin loads; a module the seed
 #   lacks compiles for about 6 minutes), DEADLINE (s, default 575: the table prints before it), COMMIT (the commit
 #   the carried tree is, for commit.txt).
