@@ -270,6 +270,25 @@ def test_timed_batches_take_turns_across_servers_and_stay_with_their_server():
     assert all(r["runs"] == 3 for r in table["1"].values())
 
 
+def test_kept_outputs_are_the_first_timed_batch_request_by_request():
+    """``keep_outputs``: each row keeps its own server's first timed batch's token ids in prompt order (not the
+    warm-up's, not a later repeat's), so servers run in different calls can be held to each other token for token."""
+    bench = _load()
+    calls = {"a": 0}
+
+    def generate(payload):
+        calls["a"] += 1
+        return {"output_ids": [payload["input_ids"][0], calls["a"]], "meta_info": {"e2e_latency": 0.1}}
+
+    server = types.SimpleNamespace(generate=generate, round_log=None)
+    prompts = lambda bs: [[100 + i] for i in range(bs)]  # noqa: E731
+    row = bench.measure({"a": server}, [1], new_tokens=2, repeats=2, prompts=prompts, keep_outputs=True)["1"]["a"]
+    assert row["output_ids"] == [[100, 2]]  # call 1 was the warm-up, call 2 the first timed batch
+    assert "output_ids" not in bench.measure({"a": server}, [1], new_tokens=2, repeats=1, prompts=prompts)["1"]["a"]
+    four = bench.measure({"a": server}, [4], new_tokens=2, repeats=1, prompts=prompts, keep_outputs=True)["4"]["a"]
+    assert [ids[0] for ids in four["output_ids"]] == [100, 101, 102, 103]  # prompt order, whatever finished first
+
+
 def test_host_times_go_to_every_server_and_are_read_after_a_flushing_request(tmp_path, monkeypatch):
     """``--host-times``: each server gets its own ``KDTREE_HOST_TIMES`` file; after the timed batches one short
     request at batch 1 makes the server write its last size, then the files are read and tabled."""

@@ -142,3 +142,16 @@ def test_greedy_tokens_against_plain_request_by_request():
     assert "| kdtree-cycle-log | 8 | 2 | 1 | 6 | 1 |" in text and "| dflash | 8 | 2 | 2 | 6 | - |" in text
     with pytest.raises(ValueError, match="1 requests kept against plain's 2"):
         rank_report.greedy_identity({"servers": {"plain": plain, "x": {"table": {"8": {"output_ids": [[1]]}}}}})
+
+
+def test_the_device_profile_verdict_and_each_servers_limits_line():
+    line = "sm_120 (profile sm_120 on device 0 (NVIDIA H100)): ...; largest shared memory asked: 99,584 B"
+    report = {"device_profile": "sm_120", "profile_problems": [],
+              "servers": {"kdtree-cycle-log": {"launch_limits": {"line": line}}, "plain": {"launch_limits": None}}}
+    text = "\n".join(rank_report.analysis_lines(report))
+    assert "KDTREE_DEVICE_PROFILE=sm_120: every KDTREE server's launches within its limits" in text
+    assert f"kdtree-cycle-log: {line}" in text and "plain:" not in text
+    bad = dict(report, profile_problems=["kdtree-auto: no 'KDTREE launch limits' line in its log"])
+    assert "sm_120: kdtree-auto: no 'KDTREE launch limits' line" in "\n".join(rank_report.analysis_lines(bad))
+    assert "not checked" in "\n".join(rank_report.analysis_lines(dict(report, profile_problems=None)))
+    assert "KDTREE_DEVICE_PROFILE" not in "\n".join(rank_report.analysis_lines({"servers": {}}))
