@@ -45,7 +45,7 @@ from benchmarks.kimi_model import key
 DEVICE_GBPS = {"H100": 3350.0, BOXES[REFERENCE].device: BOXES[REFERENCE].mem_gbps}
 #: an H100 rank checked against the H200 pieces: the model's verify priced for the rank's device (x1.43)
 H200_OVER_H100 = DEVICE_GBPS["H200"] / DEVICE_GBPS["H100"]
-#: the phases a served round log splits a round into, and the model's piece each replaces
+#: the phases a served round log splits a round into that correct the model
 DRAFT, TREE, ACCEPT = "draft", "tree", "accept_commit"
 DRAFT_EXCESS = "draft_excess"
 #: a mode's served target forward over the model's, ``forward_excess:MODE`` (the mode in the name: a key's dims are
@@ -108,6 +108,7 @@ def load(paths, model_device: str, batches, times: dict | None = None, cfg=None,
     ``served_forwards`` of them all (KDTREE's only from the reports served under ``profile``,
     ``KDTREE_DEVICE_PROFILE``; None: without one), priced from their device to ``model_device``."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    cfg = cfg or kimi_model.RoundConfig()
     reports = [json.loads(Path(p).read_text()) for p in paths]
     first = next((i for i, r in enumerate(reports) if any(k.startswith("kdtree-cycle") for k in r.get("servers", {}))),
                  0)
@@ -134,11 +135,11 @@ def load(paths, model_device: str, batches, times: dict | None = None, cfg=None,
 
 
 def _step_ms(rec: dict, bs: str) -> float | None:
-    """A server's decode step at batch ``bs``: the scheduler loop's median period, else its mean (rank_report's)."""
-    from benchmarks import rank_report
+    """A server's decode step at batch ``bs`` (``rank_report.step_ms``), None where it served none."""
+    from benchmarks import rank_report  # imports bench_server's CUDA harness: only when a forward is asked for
 
     row = rec.get("table", {}).get(bs)
-    return None if row is None else rank_report._plain_step_ms(rec, bs, row)
+    return None if row is None else rank_report.step_ms(rec, bs, row)
 
 
 def _drafter_ms(reports: list) -> dict:
@@ -232,7 +233,7 @@ def forward_check(reports: list, times: dict, model_device: str, modes=FORWARD_M
     for report in reports:
         shape, context = report["rank"], int(report["settings"]["context"])
         model_shape = dataclasses.replace(kimi_model.KIMI, layers=shape["layers"], dense_layers=shape["dense_layers"])
-        cfg = _bare(kimi_model.RoundConfig(model=model_shape, budgets=(15, 31, 63)))
+        cfg = _bare(kimi_model.RoundConfig(model=model_shape, budgets=(15, 31, 63)))  # the widths ranks serve
         scale, full = _scale(report, model_device), rank_times(times, report)
         no_layers = dataclasses.replace(cfg, model=dataclasses.replace(model_shape, layers=0, dense_layers=0))
         for mode, width in cfg.widths.items():

@@ -155,9 +155,9 @@ def overlap_ratios(report: dict) -> dict:
 # ---- the model checked -----------------------------------------------------------------------------------------
 
 
-def _plain_step_ms(rec: dict, bs: str, row: dict) -> float | None:
-    """Plain's decode step: the scheduler loop's median period at that batch (its mean counts the prefill passes'
-    long periods too), else the report's mean."""
+def step_ms(rec: dict, bs: str, row: dict) -> float | None:
+    """A server's decode step (plain's, DFLASH's): the scheduler loop's median period at that batch (its mean counts
+    the prefill passes' long periods too), else the report's mean."""
     return (rec.get("host_times", {}).get(bs) or {}).get("period_ms") or (row.get("round") or {}).get("host_ms")
 
 
@@ -182,7 +182,7 @@ def model_check(report: dict) -> list[dict]:
             for bs, row in rec.get("table", {}).items():
                 m = cells.get(bs, {}).get("AR")
                 if m:
-                    add(bs, kind, 1, "round", _plain_step_ms(rec, bs, row), m["round"])
+                    add(bs, kind, 1, "round", step_ms(rec, bs, row), m["round"])
             prof = rec.get("profile")
             if prof and cells.get(str(prof["bs"]), {}).get("AR"):
                 m, ms = cells[str(prof["bs"])]["AR"], prof["split"]["ms"]
@@ -220,7 +220,7 @@ def corrected_rounds(report: dict, scale: float) -> list[dict]:
     for kind, rec in report.get("servers", {}).items():
         if kind == "plain":
             for bs, row in rec.get("table", {}).items():
-                served, m = _plain_step_ms(rec, bs, row), cells.get(bs, {}).get("AR")
+                served, m = step_ms(rec, bs, row), cells.get(bs, {}).get("AR")
                 if served and m:
                     out.append({"bs": int(bs), "server": kind, "width": 1, "served": served,
                                 "model": m["round"] * scale})
