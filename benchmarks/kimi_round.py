@@ -312,10 +312,11 @@ def parser(prog: str = "python -m benchmarks.kimi_round") -> argparse.ArgumentPa
                    help="take the drafter and the bookkeeping from a served rank's report (bench_rank.py's rank.json; "
                         "the first with a cycle server; benchmarks/kimi_served.py says why), and --served-forward's "
                         "target forwards from them all, priced for the measured device by bandwidth")
-    p.add_argument("--served-forward", nargs="*", default=["AR", "DFLASH"], choices=list(kimi_served.FORWARD_MODES),
-                   help="with --served-rank: the modes whose target forward comes from the served ranks (default AR "
-                        "DFLASH: SGLang's Triton backend, the box's default; none for an fa3 box), KDTREE from the "
-                        "ranks served under --served-profile")
+    p.add_argument("--served-forward", nargs="*", default=None, choices=list(kimi_served.FORWARD_MODES),
+                   help="with --served-rank: the modes whose target forward comes from the served ranks, KDTREE's "
+                        "from those served under --served-profile (default: none on the h200 box, whose SGLang "
+                        "default is fa3, which the ranks did not serve; AR DFLASH on the sm_120 boxes, whose default "
+                        "is the Triton backend the ranks ran)")
     p.add_argument("--served-profile", default=None, choices=["sm_120"],
                    help="the KDTREE_DEVICE_PROFILE of the ranks whose KDTREE verify --served-forward KDTREE takes "
                         "(default: the ranks served without one)")
@@ -437,8 +438,10 @@ def _finish(args, cfg, measured, overrides, batches, contexts) -> int:
     measured["times"] = dict(measured.get("times", {}))
     measured["notes"] = list(measured.get("notes", []))
     if args.served_rank:
+        forward = args.served_forward if args.served_forward is not None else (
+            [] if args.box == kimi_box.REFERENCE else ["AR", "DFLASH"])
         served, notes = kimi_served.load(args.served_rank, measured.get("device") or "H200", batches,
-                                         measured["times"], cfg, args.served_forward, args.served_profile)
+                                         measured["times"], cfg, forward, args.served_profile)
         measured["times"].update(served)
         measured["notes"] += notes
     done = apply_bookkeeping(measured["times"], overrides, batches)

@@ -152,3 +152,25 @@ def test_the_plot_says_the_drafter_came_from_the_served_rank():
     measured = RESULTS / "kimi_round.json"
     plain = plot_kimi_round.title(json.loads(measured.read_text()), None, measured)
     assert "served Kimi rank" not in plain
+
+
+def test_kimi_round_takes_served_forwards_by_box_unless_told(capsys, tmp_path):
+    """``--served-forward`` unset: none on the h200 box (its SGLang default is fa3, which no rank served), plain's and
+    DFLASH's on an sm_120 box (Triton, what the ranks ran); given, what it names."""
+    from benchmarks import kimi_round as kr
+
+    ranks = [str(RESULTS / f"rank_h100_{n}.json") for n in ("12layers", "26layers_auto", "26layers_sm120")]
+    base = ["--from-json", str(RESULTS / "kimi_round.json"), "--contexts", "4096", "--batches", "8", "--budgets", "15",
+            "--served-rank", *ranks]
+
+    def notes(*extra):
+        out = tmp_path / "out.json"
+        assert kr.main([*base, *extra, "--json", str(out)]) == 0
+        capsys.readouterr()
+        return " ".join(json.loads(out.read_text())["measured"]["notes"])
+
+    assert "forward served" not in notes()
+    box = notes("--box", "rtx-pro-6000")
+    assert "AR at batch 8: forward served at [12, 26]" in box and "DFLASH at batch 8" in box and "KDTREE" not in box
+    told = notes("--served-forward", "KDTREE", "--served-profile", "sm_120")
+    assert "KDTREE-15 at batch 8: forward served at [26]" in told and "AR at batch" not in told
