@@ -384,3 +384,52 @@ def test_the_device_timer_reuses_its_ring_and_a_retried_rounds_slot():
     stats, seconds = timer.read(tickets[0])
     assert stats == [[1.0] * 3] * 2 and seconds == 1.0  # from the retry's start (event 1) to its end (event 2)
     assert timer.start() == tickets[0]
+
+
+class _SpecStandIn:
+    """Stands in for SGLang's runtime-context spec bag (``sglang.srt.runtime_context.get_spec()``), which a server
+    publishes at startup: only ``override(speculative_num_draft_tokens=...)``; anything else raises by name."""
+
+    def override(self, **kw):
+        import contextlib
+
+        if set(kw) != {"speculative_num_draft_tokens"}:
+            raise AttributeError(f"spec stand-in: override({', '.join(kw)}) is not stood in for")
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        raise AttributeError(f"spec stand-in: {name} is not stood in for")
+
+
+@pytest.mark.parametrize("message, ours", [("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+                                           ("CUDA error: an illegal memory access", False)])
+def test_a_tier_that_runs_out_of_memory_fails_naming_what_to_lower(monkeypatch, message, ours):
+    """An extra tier whose backend or graphs cannot be allocated stops the startup with the settings that size it
+    (the tiers' variable, the decode graphs' batch, the static memory fraction), the runner's state put back; any
+    other error passes through as it was."""
+    import sglang.srt.runtime_context as rc
+
+    from sglang_kdtree.round import verify_tiers
+
+    monkeypatch.setattr(rc, "get_spec", lambda: _SpecStandIn())
+
+    class Runner:  # a model runner whose attention backend for the width cannot be allocated
+        device, attn_backend, decode_cuda_graph_runner, init_new_workspace = "cpu", "sglang's", None, False
+
+        def _get_attention_backend(self, init_new_workspace):
+            self.attn_backend, self.init_new_workspace = "half built", init_new_workspace
+            raise (torch.OutOfMemoryError if ours else RuntimeError)(message)
+
+    runner = Runner()
+    with pytest.raises(RuntimeError) as info:
+        verify_tiers.VerifyTiers(runner, (16, 32, 64))
+    if ours:
+        text = str(info.value)
+        assert text.startswith("KDTREE: building the extra verify tier of width 16 ran out of GPU memory")
+        assert "SGLANG_KDTREE_VERIFY_WIDTHS, now 16,32,64" in text and "--cuda-graph-max-bs-decode" in text
+        assert "--mem-fraction-static" in text and isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    else:
+        assert str(info.value) == message
+    assert (runner.attn_backend, runner.init_new_workspace) == ("sglang's", False)
+    assert "MiB were free before it" in verify_tiers.out_of_memory(16, (16, 32), 3 * 2**30)
+    assert "were free" not in verify_tiers.out_of_memory(16, (16, 32), None)

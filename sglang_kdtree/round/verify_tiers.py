@@ -54,6 +54,15 @@ def _memory_bytes(device) -> int | None:
     return int(free)
 
 
+def out_of_memory(width: int, tiers, free_bytes: int | None) -> str:
+    """The startup error of an extra tier whose backend or graphs ran out of GPU memory: what to lower."""
+    free = "" if free_bytes is None else f" ({free_bytes / 2**20:,.0f} MiB were free before it)"
+    return (f"KDTREE: building the extra verify tier of width {width} ran out of GPU memory{free}. Each extra tier "
+            "captures its own verify graphs, sized by request slots x width (docs/sm120.md, 'The verify tiers' own "
+            f"memory'): serve fewer or narrower tiers ({WIDTHS_ENV}, now {','.join(map(str, tiers))}; e.g. 16,32), "
+            "capture verify graphs for fewer requests (--cuda-graph-max-bs-decode), or lower --mem-fraction-static")
+
+
 class VerifyTiers:
     """The target model runner's attention backend and verify graph runner per verify width (module docstring)."""
 
@@ -86,6 +95,10 @@ class VerifyTiers:
                     runner.attn_backend = backend  # graphs: capture this width's the same way
                     graphs = type(saved[1])(runner, attn_backend=backend, speculative_num_steps=1,
                                             speculative_num_draft_tokens=width)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one: say which setting sized what ran out
+            if "out of memory" not in str(exc).lower():
+                raise
+            raise RuntimeError(out_of_memory(width, self.tiers, before)) from exc
         finally:
             runner.attn_backend, runner.decode_cuda_graph_runner, runner.init_new_workspace = saved
         after = _memory_bytes(device)
