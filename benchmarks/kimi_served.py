@@ -113,10 +113,9 @@ def load(paths, model_device: str, batches, times: dict | None = None, cfg=None,
     first = next((i for i, r in enumerate(reports) if any(k.startswith("kdtree-cycle") for k in r.get("servers", {}))),
                  0)
     report, path = reports[first], paths[first]
-    served_device = (report.get("run") or {}).get("device") or report.get("device") or ""
     scale = _scale(report, model_device)
     out, notes = served_pieces(report, batches, scale, times, cfg)
-    notes.insert(0, f"drafter and bookkeeping from the served rank {path} ({served_device}, context "
+    notes.insert(0, f"drafter and bookkeeping from the served rank {path} ({_device(report)}, context "
                     f"{report['settings']['context']}), priced for {model_device} at x{scale:.3f} (bandwidth ratio)")
     if forward_modes:
         kdtree = [r for r in reports if r.get("device_profile") == profile]
@@ -188,6 +187,15 @@ def forward_line(points, layers: int, fixed: float) -> float:
     return fixed + (mean_t - fixed) * layers / counts[0]
 
 
+def _line_and_model(points, times: dict, bs: int, width: int, context: int, cfg) -> tuple[float, float]:
+    """(``forward_line`` through ``points`` at ``cfg``'s layer count, the model's forward there), us, from ``times``
+    under ``cfg`` (no collectives); the line's one-rank fallback keeps the model's part without layers."""
+    no_layers = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=0, dense_layers=0))
+    fixed = kimi_model.verify_forward(times, bs, width, context, no_layers)["total"]
+    line = forward_line([p[:2] for p in points], cfg.model.layers, fixed)
+    return line, kimi_model.verify_forward(times, bs, width, context, cfg)["total"]
+
+
 def _points(reports, mode, bs, drafter, model_device) -> list:
     """``[(layers, us priced for model_device, report), ...]``: every report's served forward of ``mode``."""
     out = []
@@ -207,7 +215,6 @@ def served_forwards(reports: list, modes, batches, times: dict, cfg, model_devic
     if any(int(r["settings"]["context"]) != context for r in reports):
         raise ValueError("served ranks at more than one context: one context at a time")
     drafter, bare, full = _drafter_ms(reports), _bare(cfg), rank_times(times, reports[0])
-    no_layers = dataclasses.replace(bare, model=dataclasses.replace(cfg.model, layers=0, dense_layers=0))
     out, notes = {}, []
     for mode, width in cfg.widths.items():
         if mode.split("-", 1)[0] not in modes:
@@ -217,9 +224,7 @@ def served_forwards(reports: list, modes, batches, times: dict, cfg, model_devic
             if not points:
                 notes.append(f"{mode} at batch {bs}: no served forward; the model's kept")
                 continue
-            fixed = kimi_model.verify_forward(full, bs, width, context, no_layers)["total"]
-            value = forward_line([p[:2] for p in points], cfg.model.layers, fixed)
-            model = kimi_model.verify_forward(full, bs, width, context, bare)["total"]
+            value, model = _line_and_model(points, full, bs, width, context, bare)
             out[key(f"{FORWARD_EXCESS}:{mode}", bs=bs, ctx=context)] = value - model
             notes.append(f"{mode} at batch {bs}: forward served at {sorted({p[0] for p in points})} layers, "
                          f"{value / 1e3:.2f} ms at {cfg.model.layers} against the model's {model / 1e3:.2f}")
@@ -235,7 +240,6 @@ def forward_check(reports: list, times: dict, model_device: str, modes=FORWARD_M
         model_shape = dataclasses.replace(kimi_model.KIMI, layers=shape["layers"], dense_layers=shape["dense_layers"])
         cfg = _bare(kimi_model.RoundConfig(model=model_shape, budgets=(15, 31, 63)))  # the widths ranks serve
         scale, full = _scale(report, model_device), rank_times(times, report)
-        no_layers = dataclasses.replace(cfg, model=dataclasses.replace(model_shape, layers=0, dense_layers=0))
         for mode, width in cfg.widths.items():
             if mode.split("-", 1)[0] not in modes:
                 continue
@@ -244,9 +248,7 @@ def forward_check(reports: list, times: dict, model_device: str, modes=FORWARD_M
                 mine = [p for p in points if p[2] is report]
                 if not mine:
                     continue
-                fixed = kimi_model.verify_forward(full, bs, width, context, no_layers)["total"]
-                line = forward_line([p[:2] for p in points], shape["layers"], fixed)
-                model = kimi_model.verify_forward(full, bs, width, context, cfg)["total"]
+                line, model = _line_and_model(points, full, bs, width, context, cfg)
                 served = mine[0][1] / scale / 1e3
                 rows.append({"layers": shape["layers"], "profile": report.get("device_profile"), "mode": mode,
                              "bs": bs, "served": round(served, 3), "model": round(model / scale / 1e3, 3),
@@ -254,10 +256,14 @@ def forward_check(reports: list, times: dict, model_device: str, modes=FORWARD_M
     return rows
 
 
+def _device(report: dict) -> str:
+    """The device a rank report was served on, as its run record names it ("" if none)."""
+    return (report.get("run") or {}).get("device") or report.get("device") or ""
+
+
 def _scale(report: dict, model_device: str) -> float:
     """The bandwidth ratio from the report's device to ``model_device``."""
-    return device_gbps((report.get("run") or {}).get("device") or report.get("device") or "") / device_gbps(
-        model_device)
+    return device_gbps(_device(report)) / device_gbps(model_device)
 
 
 def main(argv=None) -> int:

@@ -83,8 +83,6 @@ def format_report(report: dict, scale: float | None = None, reference: dict | No
     return "\n".join(lines + analysis_lines(report, scale, reference))
 
 
-
-
 # ---- tokens per second with a stated curve -------------------------------------------------------------------
 
 
